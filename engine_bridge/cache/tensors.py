@@ -38,11 +38,11 @@ class HostTensor:
     def __post_init__(self) -> None:
         assert self.dtype in DTYPE_SIZES, f"unknown dtype {self.dtype!r}"
         expected = prod(self.shape) * DTYPE_SIZES[self.dtype]
-        assert len(self.data) == expected, (
-            f"tensor data is {len(self.data)} bytes, shape {self.shape} {self.dtype} "
+        assert self.nbytes == expected, (
+            f"tensor data is {self.nbytes} bytes, shape {self.shape} {self.dtype} "
             f"needs {expected}"
         )
 
     @property
     def nbytes(self) -> int:
-        return len(self.data)
+        return self.data.nbytes if isinstance(self.data, memoryview) else len(self.data)
