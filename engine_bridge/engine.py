@@ -1,0 +1,128 @@
+"""The engine facade proxy/ talks to: which models are local, prepare a job, run it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import models
+from .demo import DEMO_MODEL_IDS
+from .prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule, render_chat, render_completion
+from .runner import Event, Job, Runner
+from .types import EngineError, GenerationRequest
+
+log = logging.getLogger("engine_bridge.engine")
+
+
+@dataclass(slots=True)
+class EngineSettings:
+    cache_dir: Path
+    model_specs: list[str] = field(default_factory=list)
+    lmstudio_dirs: list[Path] = field(default_factory=list)
+    cache_enabled: bool = True
+    normalization: list[NormalizationRule] = field(
+        default_factory=lambda: [CLAUDE_CODE_BILLING_HEADER]
+    )
+
+
+@dataclass(slots=True)
+class ModelEntry:
+    """A model this process serves; loaded lazily on first use."""
+
+    ref: models.ModelRef
+    runner: Runner | None = None
+    loading: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class Engine:
+    def __init__(self, settings: EngineSettings):
+        self.settings = settings
+        self._entries: dict[str, ModelEntry] = {}
+        specs = settings.model_specs or list(DEMO_MODEL_IDS)
+        for spec in specs:
+            ref = models.resolve(spec, settings.cache_dir, settings.lmstudio_dirs)
+            self._entries[ref.id] = ModelEntry(ref)
+
+    @property
+    def model_ids(self) -> list[str]:
+        return list(self._entries)
+
+    def has_model(self, model_id: str) -> bool:
+        return model_id in self._entries
+
+    def loaded(self, model_id: str) -> models.LoadedModel | None:
+        entry = self._entries.get(model_id)
+        return entry.runner.loaded if entry and entry.runner else None
+
+    async def runner(self, model_id: str) -> Runner:
+        entry = self._entries.get(model_id)
+        if entry is None:
+            raise EngineError(f"model {model_id!r} is not served here", field="model", status=404)
+        async with entry.loading:
+            if entry.runner is None:
+                loaded = await asyncio.to_thread(models.load, entry.ref)
+                entry.runner = Runner(loaded, self._session_factory(loaded))
+        return entry.runner
+
+    def _session_factory(self, loaded: models.LoadedModel):
+        return None
+
+    async def prepare(self, req: GenerationRequest) -> tuple[Runner, Job]:
+        """Tokenize and validate; every client mistake surfaces here, before streaming."""
+        runner = await self.runner(req.model)
+        loaded = runner.loaded
+        if req.messages is not None:
+            prompt = await asyncio.to_thread(
+                render_chat,
+                loaded.tokenizer,
+                req.messages,
+                req.tools,
+                req.template_kwargs,
+                self.settings.normalization,
+            )
+        else:
+            prompt = await asyncio.to_thread(render_completion, loaded.tokenizer, req.prompt or "")
+        n = len(prompt.tokens)
+        ctx = loaded.context_length
+        if n == 0:
+            raise EngineError("the prompt is empty after tokenization", field="prompt")
+        if n >= ctx:
+            raise EngineError(
+                f"the prompt is {n} tokens, longer than the model's context of {ctx} tokens",
+                field="messages" if req.messages is not None else "prompt",
+            )
+        if req.max_tokens > ctx:
+            raise EngineError(
+                f"max_tokens {req.max_tokens} exceeds the model's context of {ctx} tokens",
+                field="max_tokens",
+            )
+        # Past the context there is nowhere to put a token: stop there with "length".
+        max_tokens = min(req.max_tokens, ctx - n)
+        return runner, Job(req, prompt, max_tokens)
+
+    async def run(self, runner: Runner, job: Job) -> AsyncIterator[Event]:
+        async for event in runner.run(job):
+            yield event
+
+    async def count_tokens(self, req: GenerationRequest) -> int:
+        runner = await self.runner(req.model)
+        prompt = await asyncio.to_thread(
+            render_chat,
+            runner.loaded.tokenizer,
+            req.messages or [],
+            req.tools,
+            req.template_kwargs,
+            self.settings.normalization,
+        )
+        return len(prompt.tokens)
+
+    def stats(self) -> dict:
+        return {"models": self.model_ids}
+
+    async def close(self) -> None:
+        for entry in self._entries.values():
+            if entry.runner is not None:
+                await asyncio.to_thread(entry.runner.close)

@@ -1,0 +1,385 @@
+"""Anthropic dialect: /v1/messages (with the full streaming event sequence) and count_tokens."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from engine_bridge.types import EngineError, GenerationRequest, Sampling
+
+from . import fields as f
+from .errors import ApiError
+from .generation import Generation, request_options, start
+from .output import Part, merge
+from .sse import SSEWriter
+from .state import engine_of
+
+# Tool types Anthropic runs server-side (web search, …); a local model cannot call them.
+_CUSTOM_TOOL_TYPES = {None, "custom"}
+
+
+def _block_text(block: Any, where: str) -> str:
+    if isinstance(block, str):
+        return block
+    if not isinstance(block, dict):
+        raise ApiError(400, f"{where}: expected a content block object", param=where)
+    kind = block.get("type")
+    if kind == "text":
+        if not isinstance(block.get("text"), str):
+            raise ApiError(400, f"{where}.text: expected a string", param=where)
+        return block["text"]
+    raise ApiError(400, f"{where}: block type {kind!r} is not supported here", param=where)
+
+
+def _text_blocks(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}: expected a string or an array of blocks", param=where)
+    return "".join(_block_text(b, f"{where}[{i}]") for i, b in enumerate(content))
+
+
+def parse_system(body: dict) -> str | None:
+    system = body.get("system")
+    if system is None:
+        return None
+    return _text_blocks(system, "system")
+
+
+def parse_messages(body: dict) -> list[dict[str, Any]]:
+    messages = f.get_list(body, "messages", nonempty=True)
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"{where}: expected an object", param="messages")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise ApiError(
+                400,
+                f"{where}.role: unknown role {role!r}; expected 'user' or 'assistant'",
+                param="messages",
+            )
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ApiError(
+                400, f"{where}.content: expected a string or an array of blocks", param="messages"
+            )
+        if role == "assistant":
+            out.append(_assistant(content, where))
+        else:
+            out.extend(_user(content, where))
+    return out
+
+
+def _assistant(blocks: list, where: str) -> dict[str, Any]:
+    text, thinking, calls = [], [], []
+    for j, b in enumerate(blocks):
+        w = f"{where}.content[{j}]"
+        if not isinstance(b, dict):
+            raise ApiError(400, f"{w}: expected a content block object", param="messages")
+        kind = b.get("type")
+        if kind == "text":
+            text.append(_block_text(b, w))
+        elif kind == "thinking":
+            thinking.append(b.get("thinking") or "")
+        elif kind == "redacted_thinking":
+            continue
+        elif kind in ("tool_use", "server_tool_use"):
+            if not isinstance(b.get("name"), str):
+                raise ApiError(400, f"{w}.name: expected a string", param="messages")
+            args = b.get("input", {})
+            if not isinstance(args, dict):
+                raise ApiError(400, f"{w}.input: expected an object", param="messages")
+            calls.append(
+                {
+                    "id": b.get("id", ""),
+                    "type": "function",
+                    "function": {"name": b["name"], "arguments": args},
+                }
+            )
+        else:
+            raise ApiError(400, f"{w}: block type {kind!r} is not supported", param="messages")
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if thinking:
+        msg["reasoning_content"] = "\n".join(thinking)
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _user(blocks: list, where: str) -> list[dict[str, Any]]:
+    results, text = [], []
+    for j, b in enumerate(blocks):
+        w = f"{where}.content[{j}]"
+        if not isinstance(b, dict):
+            raise ApiError(400, f"{w}: expected a content block object", param="messages")
+        if b.get("type") == "tool_result":
+            body = _text_blocks(b.get("content"), f"{w}.content")
+            if b.get("is_error"):
+                body = "Error: " + body
+            results.append(
+                {"role": "tool", "tool_call_id": b.get("tool_use_id", ""), "content": body}
+            )
+        else:
+            text.append(_block_text(b, w))
+    out = results
+    if text or not results:
+        out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def parse_tools(body: dict) -> list[dict[str, Any]] | None:
+    tools = f.get_list(body, "tools")
+    if not tools:
+        return None
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "none":
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise ApiError(400, f"tools[{i}].name: expected a string", param="tools")
+        if t.get("type") not in _CUSTOM_TOOL_TYPES:
+            continue
+        schema = t.get("input_schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise ApiError(400, f"tools[{i}].input_schema: expected an object", param="tools")
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description", ""),
+                    "parameters": schema,
+                },
+            }
+        )
+    return out or None
+
+
+def build_messages(body: dict) -> list[dict[str, Any]]:
+    messages = parse_messages(body)
+    system = parse_system(body)
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def messages_request(body: dict, request: web.Request) -> GenerationRequest:
+    model = f.get_str(body, "model", nonempty=True)
+    max_tokens = f.get_int(body, "max_tokens", None, lo=1)
+    if max_tokens is None:
+        raise ApiError(400, "max_tokens: field required", param="max_tokens")
+    f.get_dict(body, "metadata")
+    thinking = f.get_dict(body, "thinking")
+    kwargs: dict[str, Any] = {}
+    if thinking is not None:
+        kwargs["enable_thinking"] = thinking.get("type") == "enabled"
+    tenant, use_cache = request_options(request)
+    return GenerationRequest(
+        model=model,
+        messages=build_messages(body),
+        tools=parse_tools(body),
+        max_tokens=max_tokens,
+        stop=f.get_stop(body, "stop_sequences"),
+        sampling=Sampling(
+            temperature=f.get_float(body, "temperature", 1.0, lo=0.0, hi=1.0),
+            top_p=f.get_float(body, "top_p", 1.0, lo=0.0, hi=1.0),
+            top_k=f.get_int(body, "top_k", 0, lo=0),
+        ),
+        tenant=tenant,
+        use_cache=use_cache,
+        template_kwargs=kwargs,
+    )
+
+
+def usage(gen: Generation, output_tokens: int | None = None) -> dict[str, int]:
+    info = gen.info
+    # Every prompt token the cache did not supply is written to it (unless bypassed).
+    created = info.prompt_tokens - info.cached_tokens if gen.use_cache else 0
+    return {
+        "input_tokens": info.prompt_tokens - info.cached_tokens - created,
+        "output_tokens": output_tokens
+        if output_tokens is not None
+        else (gen.result.completion_tokens if gen.result else 0),
+        "cache_read_input_tokens": info.cached_tokens,
+        "cache_creation_input_tokens": created,
+    }
+
+
+def stop_reason(gen: Generation, parts: list[Part]) -> tuple[str, str | None]:
+    r = gen.result
+    if any(p.kind == "tool_call" for p in parts):
+        return "tool_use", None
+    if r and r.finish_reason == "length":
+        return "max_tokens", None
+    if r and r.finish_reason == "stop_string":
+        return "stop_sequence", r.stop_string
+    return "end_turn", None
+
+
+def block_json(p: Part) -> dict[str, Any]:
+    if p.kind == "text":
+        return {"type": "text", "text": p.text}
+    if p.kind == "reasoning":
+        return {"type": "thinking", "thinking": p.text, "signature": ""}
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + p.id.removeprefix("call_"),
+        "name": p.name,
+        "input": p.arguments,
+    }
+
+
+async def messages(request: web.Request, body: dict) -> web.StreamResponse:
+    req = messages_request(body, request)
+    stream = f.get_bool(body, "stream")
+    gen = await start(engine_of(request.app), req, request)
+    mid = "msg_" + uuid.uuid4().hex[:24]
+    if not stream:
+        try:
+            parts = merge([p async for p in gen.parts()])
+        finally:
+            await gen.aclose()
+        reason, seq = stop_reason(gen, parts)
+        return web.json_response(
+            {
+                "id": mid,
+                "type": "message",
+                "role": "assistant",
+                "model": req.model,
+                "content": [block_json(p) for p in parts if p.kind == "tool_call" or p.text],
+                "stop_reason": reason,
+                "stop_sequence": seq,
+                "usage": usage(gen),
+            },
+            headers=gen.headers,
+        )
+
+    sse = SSEWriter(request, gen.headers)
+    await sse.prepare()
+    seen: list[Part] = []
+    index = -1
+    open_kind: str | None = None
+
+    async def close_block() -> None:
+        nonlocal open_kind
+        if open_kind == "reasoning":
+            await sse.event(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "signature_delta", "signature": ""},
+                },
+            )
+        if open_kind is not None:
+            await sse.event("content_block_stop", {"type": "content_block_stop", "index": index})
+        open_kind = None
+
+    try:
+        await sse.event(
+            "message_start",
+            {
+                "type": "message_start",
+                "message": {
+                    "id": mid,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": req.model,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": usage(gen, output_tokens=0),
+                },
+            },
+        )
+        await sse.event("ping", {"type": "ping"})
+        async for p in gen.parts():
+            seen.append(p)
+            if p.kind == "tool_call":
+                await close_block()
+                index += 1
+                block = block_json(p)
+                await sse.event(
+                    "content_block_start",
+                    {
+                        "type": "content_block_start",
+                        "index": index,
+                        "content_block": {**block, "input": {}},
+                    },
+                )
+                await sse.event(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {"type": "input_json_delta", "partial_json": _json(p.arguments)},
+                    },
+                )
+                await sse.event(
+                    "content_block_stop", {"type": "content_block_stop", "index": index}
+                )
+                continue
+            if not p.text:
+                continue
+            if open_kind != p.kind:
+                await close_block()
+                index += 1
+                open_kind = p.kind
+                start_block = (
+                    {"type": "text", "text": ""}
+                    if p.kind == "text"
+                    else {"type": "thinking", "thinking": "", "signature": ""}
+                )
+                await sse.event(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": index, "content_block": start_block},
+                )
+            delta = (
+                {"type": "text_delta", "text": p.text}
+                if p.kind == "text"
+                else {"type": "thinking_delta", "thinking": p.text}
+            )
+            await sse.event(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": index, "delta": delta},
+            )
+        await close_block()
+        reason, seq = stop_reason(gen, seen)
+        await sse.event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": seq},
+                "usage": usage(gen),
+            },
+        )
+        await sse.event("message_stop", {"type": "message_stop"})
+        await sse.response.write_eof()
+    finally:
+        await gen.aclose()
+    return sse.response
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value)
+
+
+async def count_tokens(request: web.Request, body: dict) -> web.Response:
+    model = f.get_str(body, "model", nonempty=True)
+    req = GenerationRequest(model=model, messages=build_messages(body), tools=parse_tools(body))
+    try:
+        n = await engine_of(request.app).count_tokens(req)
+    except EngineError as e:
+        raise ApiError(e.status, e.message, param=e.field) from None
+    return web.json_response({"input_tokens": n})

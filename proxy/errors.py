@@ -1,0 +1,73 @@
+"""Client-facing errors, rendered in the shape of the API dialect that was called."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import orjson
+from aiohttp import web
+
+Dialect = Literal["openai", "anthropic"]
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+}
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    502: "upstream_error",
+    503: "server_error",
+}
+
+
+class ApiError(Exception):
+    """A request the proxy refuses; `param` names the field at fault when there is one."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_body(err: ApiError, dialect: Dialect) -> dict:
+    if dialect == "anthropic":
+        return {
+            "type": "error",
+            "error": {
+                "type": _ANTHROPIC_TYPES.get(err.status, "invalid_request_error"),
+                "message": err.message,
+            },
+        }
+    return {
+        "error": {
+            "message": err.message,
+            "type": _OPENAI_TYPES.get(err.status, "invalid_request_error"),
+            "param": err.param,
+            "code": err.code,
+        }
+    }
+
+
+def error_response(
+    err: ApiError, dialect: Dialect, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        status=err.status,
+        body=orjson.dumps(error_body(err, dialect)),
+        content_type="application/json",
+        headers=headers,
+    )

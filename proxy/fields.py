@@ -1,0 +1,154 @@
+"""Reading request bodies and typed fields, with errors that name the field at fault."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from .errors import ApiError
+
+_MISSING = object()
+
+
+async def read_body(request: web.Request, max_bytes: int) -> bytes:
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise _too_large(request.content_length, max_bytes)
+    data = bytearray()
+    async for chunk in request.content.iter_chunked(1 << 16):
+        data += chunk
+        if len(data) > max_bytes:
+            raise _too_large(len(data), max_bytes)
+    return bytes(data)
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(
+        413,
+        f"request body is larger than the limit of {limit} bytes "
+        f"(server.max_body_bytes); got at least {size} bytes",
+        code="request_too_large",
+    )
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"request body is not valid UTF-8: {e}", code="invalid_utf8") from None
+    if not text.strip():
+        raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(value, dict):
+        raise ApiError(
+            400,
+            f"request body must be a JSON object, got {type(value).__name__}",
+            code="invalid_json",
+        )
+    return value
+
+
+def _type_error(name: str, expected: str, value: Any) -> ApiError:
+    return ApiError(
+        400,
+        f"{name}: expected {expected}, got {type(value).__name__} {_short(value)}",
+        param=name,
+    )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def get_str(body: dict, name: str, default: Any = _MISSING, *, nonempty: bool = False) -> Any:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        if default is _MISSING:
+            raise ApiError(400, f"{name}: field required", param=name)
+        return default
+    if not isinstance(value, str):
+        raise _type_error(name, "a string", value)
+    if nonempty and not value:
+        raise ApiError(400, f"{name}: must not be empty", param=name)
+    return value
+
+
+def get_int(
+    body: dict, name: str, default: Any = None, *, lo: int | None = None, hi: int | None = None
+) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise _type_error(name, "an integer", value)
+    _check_range(name, value, lo, hi)
+    return value
+
+
+def get_float(
+    body: dict, name: str, default: Any = None, *, lo: float | None = None, hi: float | None = None
+) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _type_error(name, "a number", value)
+    _check_range(name, value, lo, hi)
+    return float(value)
+
+
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _type_error(name, "a boolean", value)
+    return value
+
+
+def get_list(body: dict, name: str, default: Any = None, *, nonempty: bool = False) -> Any:
+    value = body.get(name)
+    if value is None:
+        if default is None and nonempty:
+            raise ApiError(400, f"{name}: field required", param=name)
+        return default
+    if not isinstance(value, list):
+        raise _type_error(name, "an array", value)
+    if nonempty and not value:
+        raise ApiError(400, f"{name}: must contain at least one item", param=name)
+    return value
+
+
+def get_dict(body: dict, name: str, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, dict):
+        raise _type_error(name, "an object", value)
+    return value
+
+
+def get_stop(body: dict, name: str) -> list[str]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise _type_error(name, "a string or an array of strings", value)
+
+
+def _check_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
+    if lo is not None and value < lo:
+        raise ApiError(400, f"{name}: must be >= {lo}, got {value}", param=name)
+    if hi is not None and value > hi:
+        raise ApiError(400, f"{name}: must be <= {hi}, got {value}", param=name)

@@ -1,0 +1,346 @@
+"""OpenAI dialect: /v1/chat/completions, /v1/completions."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from engine_bridge.types import GenerationRequest, Sampling
+
+from . import fields as f
+from .errors import ApiError
+from .generation import Generation, request_options, start
+from .output import Part, merge
+from .sse import SSEWriter
+from .state import engine_of
+
+ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+def parse_sampling(body: dict) -> Sampling:
+    return Sampling(
+        temperature=f.get_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
+        top_p=f.get_float(body, "top_p", 1.0, lo=0.0, hi=1.0),
+        top_k=f.get_int(body, "top_k", 0, lo=0),
+        min_p=f.get_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        repetition_penalty=f.get_float(body, "repetition_penalty", 1.0, lo=0.01, hi=10.0),
+        seed=f.get_int(body, "seed"),
+    )
+
+
+def _max_tokens(body: dict) -> int:
+    value = f.get_int(body, "max_completion_tokens", None, lo=1)
+    if value is None:
+        value = f.get_int(body, "max_tokens", 2048, lo=1)
+    return value
+
+
+def text_of(content: Any, where: str) -> str:
+    """String content, or the text parts of a content array."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}: expected a string or an array of content parts", param=where)
+    out = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ApiError(
+                400, f"{where}[{i}]: expected a content part object with a type", param=where
+            )
+        if part["type"] in ("text", "input_text"):
+            if not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{where}[{i}].text: expected a string", param=where)
+            out.append(part["text"])
+        else:
+            raise ApiError(
+                400,
+                f"{where}[{i}]: content type {part['type']!r} is not supported by this model",
+                param=where,
+            )
+    return "".join(out)
+
+
+def _parse_arguments(raw: Any, where: str) -> Any:
+    if isinstance(raw, dict):
+        return raw
+    if isinstance(raw, str):
+        try:
+            value = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            return raw  # templates render a string as-is; the model saw it that way
+        return value
+    raise ApiError(400, f"{where}: expected a JSON string or an object", param=where)
+
+
+def parse_messages(body: dict) -> list[dict[str, Any]]:
+    messages = f.get_list(body, "messages", nonempty=True)
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"{where}: expected an object", param="messages")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(
+                400,
+                f"{where}.role: unknown role {role!r}; expected one of {sorted(ROLES)}",
+                param="messages",
+            )
+        role = {"developer": "system", "function": "tool"}.get(role, role)
+        msg: dict[str, Any] = {
+            "role": role,
+            "content": text_of(m.get("content"), f"{where}.content"),
+        }
+        if role == "assistant":
+            if isinstance(m.get("reasoning_content"), str):
+                msg["reasoning_content"] = m["reasoning_content"]
+            calls = m.get("tool_calls")
+            if calls is not None:
+                if not isinstance(calls, list):
+                    raise ApiError(400, f"{where}.tool_calls: expected an array", param="messages")
+                msg["tool_calls"] = [
+                    _parse_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
+                ]
+        if role == "tool":
+            msg["tool_call_id"] = m.get("tool_call_id") or m.get("name") or ""
+        out.append(msg)
+    return out
+
+
+def _parse_call(call: Any, where: str) -> dict[str, Any]:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise ApiError(400, f"{where}: expected an object with a function", param="messages")
+    fn = call["function"]
+    if not isinstance(fn.get("name"), str):
+        raise ApiError(400, f"{where}.function.name: expected a string", param="messages")
+    return {
+        "id": call.get("id", ""),
+        "type": "function",
+        "function": {
+            "name": fn["name"],
+            "arguments": _parse_arguments(fn.get("arguments", {}), where),
+        },
+    }
+
+
+def parse_tools(body: dict) -> list[dict[str, Any]] | None:
+    tools = f.get_list(body, "tools")
+    if not tools:
+        return None
+    if body.get("tool_choice") == "none":
+        return None
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("function"), dict):
+            raise ApiError(
+                400, f"tools[{i}]: expected {{type: function, function: {{...}}}}", param="tools"
+            )
+        if not isinstance(t["function"].get("name"), str):
+            raise ApiError(400, f"tools[{i}].function.name: expected a string", param="tools")
+    return tools
+
+
+def _common(body: dict, request: web.Request) -> dict[str, Any]:
+    model = f.get_str(body, "model", nonempty=True)
+    n = f.get_int(body, "n", 1, lo=1)
+    if n != 1:
+        raise ApiError(400, "n: only n=1 is supported", param="n")
+    tenant, use_cache = request_options(request)
+    return dict(
+        model=model,
+        max_tokens=_max_tokens(body),
+        stop=f.get_stop(body, "stop"),
+        sampling=parse_sampling(body),
+        tenant=tenant,
+        use_cache=use_cache,
+    )
+
+
+def chat_request(body: dict, request: web.Request) -> GenerationRequest:
+    common = _common(body, request)
+    messages = parse_messages(body)
+    tools = parse_tools(body)
+    kwargs = f.get_dict(body, "chat_template_kwargs", {}) or {}
+    return GenerationRequest(messages=messages, tools=tools, template_kwargs=kwargs, **common)
+
+
+def completion_request(body: dict, request: web.Request) -> GenerationRequest:
+    common = _common(body, request)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise ApiError(400, "prompt: expected a string", param="prompt")
+    return GenerationRequest(prompt=prompt, **common)
+
+
+def usage(gen: Generation) -> dict[str, Any]:
+    r = gen.result
+    prompt = r.prompt_tokens if r else gen.info.prompt_tokens
+    completion = r.completion_tokens if r else 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": gen.info.cached_tokens},
+    }
+
+
+def finish_reason(gen: Generation, parts: list[Part]) -> str:
+    if any(p.kind == "tool_call" for p in parts):
+        return "tool_calls"
+    if gen.result and gen.result.finish_reason == "length":
+        return "length"
+    return "stop"
+
+
+def tool_call_json(p: Part, index: int | None = None) -> dict[str, Any]:
+    call = {
+        "id": p.id,
+        "type": "function",
+        "function": {"name": p.name, "arguments": json.dumps(p.arguments)},
+    }
+    if index is not None:
+        call["index"] = index
+    return call
+
+
+async def chat_completions(request: web.Request, body: dict) -> web.StreamResponse:
+    req = chat_request(body, request)
+    stream = f.get_bool(body, "stream")
+    options = f.get_dict(body, "stream_options", {}) or {}
+    gen = await start(engine_of(request.app), req, request)
+    rid = "chatcmpl-" + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    if not stream:
+        try:
+            parts = merge([p async for p in gen.parts()])
+        finally:
+            await gen.aclose()
+        text = "".join(p.text for p in parts if p.kind == "text")
+        reasoning = "".join(p.text for p in parts if p.kind == "reasoning")
+        calls = [tool_call_json(p) for p in parts if p.kind == "tool_call"]
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": text if text or not calls else None,
+        }
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": req.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": message,
+                        "finish_reason": finish_reason(gen, parts),
+                        "logprobs": None,
+                    }
+                ],
+                "usage": usage(gen),
+            },
+            headers=gen.headers,
+            dumps=lambda o: orjson.dumps(o).decode(),
+        )
+
+    sse = SSEWriter(request, gen.headers)
+    await sse.prepare()
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": req.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        }
+
+    seen: list[Part] = []
+    try:
+        await sse.data(chunk({"role": "assistant", "content": ""}))
+        async for p in gen.parts():
+            seen.append(p)
+            if p.kind == "text":
+                await sse.data(chunk({"content": p.text}))
+            elif p.kind == "reasoning":
+                await sse.data(chunk({"reasoning_content": p.text}))
+            else:
+                index = sum(1 for s in seen if s.kind == "tool_call") - 1
+                await sse.data(chunk({"tool_calls": [tool_call_json(p, index)]}))
+        await sse.data(chunk({}, finish_reason(gen, seen)))
+        if options.get("include_usage"):
+            final = chunk({})
+            final["choices"] = []
+            final["usage"] = usage(gen)
+            await sse.data(final)
+        await sse.done()
+    finally:
+        await gen.aclose()
+    return sse.response
+
+
+async def completions(request: web.Request, body: dict) -> web.StreamResponse:
+    req = completion_request(body, request)
+    stream = f.get_bool(body, "stream")
+    options = f.get_dict(body, "stream_options", {}) or {}
+    gen = await start(engine_of(request.app), req, request, raw=True)
+    rid = "cmpl-" + uuid.uuid4().hex[:24]
+    created = int(time.time())
+
+    def finish() -> str:
+        return "length" if gen.result and gen.result.finish_reason == "length" else "stop"
+
+    if not stream:
+        try:
+            text = "".join([p.text async for p in gen.parts()])
+        finally:
+            await gen.aclose()
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": req.model,
+                "choices": [
+                    {"index": 0, "text": text, "finish_reason": finish(), "logprobs": None}
+                ],
+                "usage": usage(gen),
+            },
+            headers=gen.headers,
+        )
+    sse = SSEWriter(request, gen.headers)
+    await sse.prepare()
+
+    def chunk(text: str, reason: str | None = None) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": req.model,
+            "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}],
+        }
+
+    try:
+        async for p in gen.parts():
+            await sse.data(chunk(p.text))
+        await sse.data(chunk("", finish()))
+        if options.get("include_usage"):
+            final = chunk("")
+            final["choices"] = []
+            final["usage"] = usage(gen)
+            await sse.data(final)
+        await sse.done()
+    finally:
+        await gen.aclose()
+    return sse.response

@@ -1,0 +1,35 @@
+"""Typed application state shared by the route handlers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from engine_bridge.engine import Engine
+
+# Key in the per-request dict, set by the request-id middleware.
+REQUEST_ID = "request_id"
+
+
+@dataclass(slots=True)
+class ProxySettings:
+    max_body_bytes: int = 32 << 20
+    cache_enabled: bool = True
+    tenant_header: str = "x-tenant"
+    tenant_api_keys: dict[str, str] = field(default_factory=dict)
+    default_tenant: str = "local"
+    upstream_url: str = "http://127.0.0.1:1234"
+    upstream_enabled: bool = True
+
+
+ENGINE = web.AppKey("engine", Engine)
+SETTINGS = web.AppKey("settings", ProxySettings)
+
+
+def engine_of(app: web.Application) -> Engine:
+    return app[ENGINE]
+
+
+def settings_of(app: web.Application) -> ProxySettings:
+    return app[SETTINGS]
