@@ -12,7 +12,7 @@ from . import models
 from .demo import DEMO_MODEL_IDS
 from .prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule, render_chat, render_completion
 from .runner import Event, Job, Runner
-from .types import EngineError, GenerationRequest
+from .types import EngineError, GenerationRequest, GenerationResult
 
 log = logging.getLogger("engine_bridge.engine")
 
@@ -29,6 +29,54 @@ class EngineSettings:
 
 
 @dataclass(slots=True)
+class RequestStats:
+    """Request-level accounting; the token hit ratio is cached / prompt tokens."""
+
+    total: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    hits: int = 0
+    misses: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    by_source: dict[str, int] = field(default_factory=lambda: {"ram": 0, "ssd": 0, "none": 0})
+    last_cancelled_completion_tokens: int = 0
+
+    def record(self, r: GenerationResult) -> None:
+        self.total += 1
+        if r.finish_reason == "cancelled":
+            self.cancelled += 1
+            self.last_cancelled_completion_tokens = r.completion_tokens
+        else:
+            self.completed += 1
+        self.prompt_tokens += r.prompt_tokens
+        self.cached_tokens += r.cached_tokens
+        self.completion_tokens += r.completion_tokens
+        self.by_source[r.source] = self.by_source.get(r.source, 0) + 1
+        if r.cached_tokens:
+            self.hits += 1
+        else:
+            self.misses += 1
+
+    def as_dict(self) -> dict:
+        ratio = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return {
+            "total": self.total,
+            "completed": self.completed,
+            "cancelled": self.cancelled,
+            "hits": self.hits,
+            "misses": self.misses,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "completion_tokens": self.completion_tokens,
+            "hit_ratio": round(ratio, 4),
+            "by_source": dict(self.by_source),
+            "last_cancelled_completion_tokens": self.last_cancelled_completion_tokens,
+        }
+
+
+@dataclass(slots=True)
 class ModelEntry:
     """A model this process serves; loaded lazily on first use."""
 
@@ -41,6 +89,7 @@ class Engine:
     def __init__(self, settings: EngineSettings):
         self.settings = settings
         self._entries: dict[str, ModelEntry] = {}
+        self.requests = RequestStats()
         specs = settings.model_specs or list(DEMO_MODEL_IDS)
         for spec in specs:
             ref = models.resolve(spec, settings.cache_dir, settings.lmstudio_dirs)
@@ -64,7 +113,9 @@ class Engine:
         async with entry.loading:
             if entry.runner is None:
                 loaded = await asyncio.to_thread(models.load, entry.ref)
-                entry.runner = Runner(loaded, self._session_factory(loaded))
+                entry.runner = Runner(
+                    loaded, self._session_factory(loaded), on_result=self.requests.record
+                )
         return entry.runner
 
     def _session_factory(self, loaded: models.LoadedModel):
@@ -120,7 +171,12 @@ class Engine:
         return len(prompt.tokens)
 
     def stats(self) -> dict:
-        return {"models": self.model_ids}
+        req = self.requests.as_dict()
+        return {
+            "requests": req,
+            "hit_ratio": req["hit_ratio"],
+            "models": self.model_ids,
+        }
 
     async def close(self) -> None:
         for entry in self._entries.values():

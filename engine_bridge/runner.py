@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from .logctx import request_id
 from .models import LoadedModel
 from .prompt import RenderedPrompt
 from .types import (
@@ -72,9 +73,11 @@ class Runner:
         self,
         loaded: LoadedModel,
         session_factory: Callable[[Job], CacheSession | None] | None = None,
+        on_result: Callable[[GenerationResult], None] | None = None,
     ):
         self.loaded = loaded
         self._session_factory = session_factory
+        self._on_result = on_result
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"gen-{loaded.id}")
         self.queued = 0
         self.last_used = time.monotonic()
@@ -108,10 +111,14 @@ class Runner:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _work(self, job: Job, emit: Callable[[Any], None]) -> None:
+        request_id.set(job.request.request_id or "-")
         try:
             if job.cancel.is_set():
                 return
             for event in self._generate(job):
+                if isinstance(event, GenerationResult) and self._on_result is not None:
+                    # Recorded here, not by the consumer, which may have gone away.
+                    self._on_result(event)
                 emit(event)
         except BaseException as e:  # surfaced on the event loop, not lost in the thread
             log.exception("[%s] generation failed", job.request.request_id)

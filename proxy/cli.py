@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--no-cache", action="store_true", help="disable the prompt cache")
     serve.add_argument("--log-level", help="debug, info, warning, error")
+    serve.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
     return parser
 
 

@@ -37,6 +37,9 @@ class OutputParser:
         self._buf = ""
         self._parse_tools = parse_tools
         self._raw = raw  # plain completions: the text exactly as generated
+        # Newlines right after </think> or </tool_call> are layout, not answer text; they
+        # may arrive in a later chunk than the tag.
+        self._strip_newlines = False
         self.tool_calls: list[Part] = []
 
     def feed(self, chunk: str) -> list[Part]:
@@ -59,9 +62,15 @@ class OutputParser:
                         self._buf = ""
                     return parts
                 parts.append(self._call_part(self._buf[:end]))
-                self._buf = self._buf[end + len(CALL_CLOSE) :].lstrip("\n")
+                self._buf = self._buf[end + len(CALL_CLOSE) :]
                 self._state = "text"
+                self._strip_newlines = True
                 continue
+            if self._strip_newlines:
+                self._buf = self._buf.lstrip("\n")
+                if not self._buf:
+                    return parts
+                self._strip_newlines = False
             kind = "reasoning" if self._state == "reasoning" else "text"
             tags = [THINK_CLOSE] if kind == "reasoning" else [THINK_OPEN]
             if kind == "text" and self._parse_tools:
@@ -82,7 +91,7 @@ class OutputParser:
                 self._state = "reasoning"
             elif tag == THINK_CLOSE:
                 self._state = "text"
-                self._buf = self._buf.lstrip("\n")
+                self._strip_newlines = True
             else:
                 self._state = "call"
 
