@@ -1,0 +1,550 @@
+"""Config: defaults, file < env < flags precedence, errors that point at the key and line."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from proxy import config as config_module
+from proxy.config import (
+    RAM_BUDGET_FLOOR,
+    Config,
+    ConfigError,
+    Rule,
+    config_to_toml,
+    env_var_names,
+    load_config,
+    parse_duration,
+    parse_size,
+    resolve_ram_budget,
+)
+from proxy.tomltext import key_lines
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(textwrap.dedent(text).lstrip("\n"))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def no_user_config(tmp_path, monkeypatch):
+    # The developer's own ~/.config/mlx-prompt-cache/config.toml must not leak into tests.
+    monkeypatch.setattr(config_module, "DEFAULT_CONFIG_PATH", tmp_path / "absent" / "c.toml")
+
+
+def test_defaults():
+    c = load_config(None, {}, {})
+    assert c == Config()
+    assert (c.server.host, c.server.port) == ("127.0.0.1", 1235)
+    assert c.server.max_body_bytes == 32 * 1024 * 1024
+    assert (c.server.log_level, c.server.log_json) == ("info", False)
+    assert c.upstream.url == "http://127.0.0.1:1234"
+    assert (c.upstream.enabled, c.upstream.timeout_s, c.upstream.connect_timeout_s) == (
+        True,
+        600.0,
+        2.0,
+    )
+    assert c.models.serve == []
+    assert c.models.serve_all_mlx is False
+    assert c.models.lmstudio_dirs == ["~/.lmstudio/models", "~/.cache/lm-studio/models"]
+    assert c.models.idle_unload_s is None
+    assert (c.cache.enabled, c.cache.block_size) == (True, 64)
+    assert (c.cache.ram.budget, c.cache.ram.quantize_bits, c.cache.ram.checkpoint_interval) == (
+        "20%",
+        0,
+        1024,
+    )
+    ssd = c.cache.ssd
+    assert (ssd.enabled, ssd.dir, ssd.max_size, ssd.ttl) == (
+        True,
+        "~/.cache/mlx-prompt-cache",
+        "10GB",
+        None,
+    )
+    assert (ssd.write_through, ssd.queue_size) == (True, 256)
+    assert ssd.path == Path.home() / ".cache" / "mlx-prompt-cache"
+    assert (c.tenants.header, c.tenants.api_keys, c.tenants.default) == ("x-tenant", {}, "local")
+    n = c.normalization
+    assert (n.claude_code_billing_header, n.rules, n.log_divergence) == (True, [], True)
+
+
+def test_dataclasses_have_slots():
+    with pytest.raises(AttributeError):
+        Config().server.prot = 1  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------
+# Precedence
+
+
+def test_file_overrides_defaults(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        [server]
+        port = 2000
+        [upstream]
+        url = "http://10.0.0.2:1234"
+        [models]
+        serve = ["demo-llama", "demo-hybrid"]
+        [cache.ram]
+        budget = "8GB"
+        [cache.ssd]
+        dir = "/tmp/pc"
+        max_size = "1GiB"
+        ttl = "7d"
+        [tenants.api_keys]
+        "sk-alice" = "alice"
+        [[normalization.rules]]
+        name = "date"
+        pattern = "Today is \\\\d+"
+        """,
+    )
+    c = load_config(path, {}, {})
+    assert c.server.port == 2000
+    assert c.server.host == "127.0.0.1"  # untouched keys keep their defaults
+    assert c.upstream.url == "http://10.0.0.2:1234"
+    assert c.models.serve == ["demo-llama", "demo-hybrid"]
+    assert c.cache.ram.budget == "8GB"
+    assert (c.cache.ssd.dir, c.cache.ssd.max_size, c.cache.ssd.ttl) == ("/tmp/pc", "1GiB", "7d")
+    assert c.tenants.api_keys == {"sk-alice": "alice"}
+    assert c.normalization.rules == [Rule(name="date", pattern="Today is \\d+")]
+    assert c.normalization.rules[0].roles == ["system"]
+
+
+def test_env_overrides_file(tmp_path):
+    path = write(tmp_path, "[server]\nport = 2000\nhost = '0.0.0.0'\n")
+    env = {
+        "MLX_PROMPT_CACHE_SERVER_PORT": "3000",
+        "MLX_PROMPT_CACHE_UPSTREAM_URL": "http://lmstudio.local:1234",
+        "MLX_PROMPT_CACHE_CACHE_SSD_DIR": "/Volumes/fast/cache",
+        "MLX_PROMPT_CACHE_MODELS_SERVE": "demo-llama, demo-swa",
+        "PATH": "/usr/bin",  # no prefix: not ours
+    }
+    c = load_config(path, env, {})
+    assert c.server.port == 3000
+    assert c.server.host == "0.0.0.0"  # env did not set it: the file wins over the default
+    assert c.upstream.url == "http://lmstudio.local:1234"
+    assert c.cache.ssd.dir == "/Volumes/fast/cache"
+    assert c.models.serve == ["demo-llama", "demo-swa"]
+
+
+def test_flags_override_env_and_file(tmp_path):
+    path = write(tmp_path, "[server]\nport = 2000\n[cache]\nenabled = true\n")
+    env = {"MLX_PROMPT_CACHE_SERVER_PORT": "3000", "MLX_PROMPT_CACHE_CACHE_SSD_DIR": "/env"}
+    overrides = {
+        "server.port": 4000,
+        "cache.ssd.dir": "/flag",
+        "models.serve": ["/models/qwen"],
+        "cache.enabled": False,
+        "upstream.url": None,  # an argparse flag that was not given changes nothing
+    }
+    c = load_config(path, env, overrides)
+    assert c.server.port == 4000
+    assert c.cache.ssd.dir == "/flag"
+    assert c.models.serve == ["/models/qwen"]
+    assert c.cache.enabled is False
+    assert c.upstream.url == "http://127.0.0.1:1234"
+
+
+def test_override_strings_are_parsed_to_the_field_type():
+    c = load_config(None, {}, {"server.port": "4001", "server.log_json": "true"})
+    assert (c.server.port, c.server.log_json) == (4001, True)
+
+
+def test_unknown_override_key_is_an_error():
+    with pytest.raises(ConfigError, match="server.prot"):
+        load_config(None, {}, {"server.prot": 1})
+
+
+def test_default_file_is_used_when_present(tmp_path, monkeypatch):
+    default = write(tmp_path, "[server]\nport = 1999\n")
+    monkeypatch.setattr(config_module, "DEFAULT_CONFIG_PATH", default)
+    assert load_config(None, {}, {}).server.port == 1999
+
+
+def test_missing_default_file_means_defaults():
+    assert load_config(None, {}, {}) == Config()
+
+
+def test_explicit_missing_file_is_an_error(tmp_path):
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match=f"config file {missing} does not exist"):
+        load_config(missing, {}, {})
+
+
+# ---------------------------------------------------------------------------------------
+# Environment parsing
+
+
+def test_env_parsing_of_every_kind():
+    env = {
+        "MLX_PROMPT_CACHE_SERVER_LOG_JSON": "yes",
+        "MLX_PROMPT_CACHE_UPSTREAM_ENABLED": "0",
+        "MLX_PROMPT_CACHE_UPSTREAM_TIMEOUT_S": "30",
+        "MLX_PROMPT_CACHE_MODELS_IDLE_UNLOAD_S": "900.5",
+        "MLX_PROMPT_CACHE_MODELS_LMSTUDIO_DIRS": "/a,/b,",
+        "MLX_PROMPT_CACHE_CACHE_RAM_BUDGET": "512MiB",
+        "MLX_PROMPT_CACHE_CACHE_RAM_QUANTIZE_BITS": "8",
+        "MLX_PROMPT_CACHE_CACHE_SSD_TTL": "12h",
+        "MLX_PROMPT_CACHE_TENANTS_API_KEYS": "sk-a=alice, sk-b=bob",
+    }
+    c = load_config(None, env, {})
+    assert c.server.log_json is True
+    assert c.upstream.enabled is False
+    assert c.upstream.timeout_s == 30.0
+    assert c.models.idle_unload_s == 900.5
+    assert c.models.lmstudio_dirs == ["/a", "/b"]
+    assert c.cache.ram.budget == "512MiB"
+    assert c.cache.ram.quantize_bits == 8
+    assert c.cache.ssd.ttl == "12h"
+    assert c.tenants.api_keys == {"sk-a": "alice", "sk-b": "bob"}
+
+
+def test_env_empty_clears_an_optional_value(tmp_path):
+    path = write(tmp_path, "[models]\nidle_unload_s = 60\n")
+    c = load_config(path, {"MLX_PROMPT_CACHE_MODELS_IDLE_UNLOAD_S": ""}, {})
+    assert c.models.idle_unload_s is None
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("MLX_PROMPT_CACHE_SERVER_PORT", "12x", "expected an integer, got '12x'"),
+        ("MLX_PROMPT_CACHE_SERVER_LOG_JSON", "maybe", "expected a boolean"),
+        ("MLX_PROMPT_CACHE_UPSTREAM_TIMEOUT_S", "soon", "expected a number"),
+        ("MLX_PROMPT_CACHE_TENANTS_API_KEYS", "sk-a", "expected key=value pairs"),
+    ],
+)
+def test_env_bad_value_names_the_variable(name, value, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {name: value}, {})
+    assert str(err.value).startswith(f"environment variable {name} (")
+    assert expected in str(err.value)
+
+
+def test_env_value_failing_validation_names_the_variable():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"MLX_PROMPT_CACHE_SERVER_PORT": "70000"}, {})
+    assert "server.port" in str(err.value)
+    assert "environment variable MLX_PROMPT_CACHE_SERVER_PORT" in str(err.value)
+
+
+def test_env_var_names_cover_fixed_design_keys():
+    names = env_var_names()
+    assert names["MLX_PROMPT_CACHE_SERVER_HOST"] == "server.host"
+    assert names["MLX_PROMPT_CACHE_SERVER_PORT"] == "server.port"
+    assert names["MLX_PROMPT_CACHE_UPSTREAM_URL"] == "upstream.url"
+    assert names["MLX_PROMPT_CACHE_MODELS_SERVE"] == "models.serve"
+    assert names["MLX_PROMPT_CACHE_CACHE_RAM_BUDGET"] == "cache.ram.budget"
+    assert names["MLX_PROMPT_CACHE_CACHE_SSD_DIR"] == "cache.ssd.dir"
+    assert names["MLX_PROMPT_CACHE_CACHE_SSD_MAX_SIZE"] == "cache.ssd.max_size"
+    assert "normalization.rules" not in names.values()
+
+
+def test_unknown_prefixed_env_var_is_ignored_with_a_warning(caplog):
+    c = load_config(None, {"MLX_PROMPT_CACHE_SERVER_PROT": "1", "MLX_PROMPT_CACHE_URL": "x"}, {})
+    assert c == Config()
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("MLX_PROMPT_CACHE_SERVER_PROT" in m for m in warned)
+    assert not any("MLX_PROMPT_CACHE_URL" in m for m in warned)  # the menu bar plugin's
+
+
+# ---------------------------------------------------------------------------------------
+# Errors that point at the key and its line
+
+
+def test_unknown_key_names_key_and_line(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        # comment
+        [server]
+        host = "127.0.0.1"
+        prot = 1235
+        """,
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {}, {})
+    message = str(err.value)
+    assert "server.prot" in message
+    assert "unknown key" in message
+    assert f"{path} line 4" in message
+
+
+def test_unknown_table_names_table_and_line(tmp_path):
+    path = write(tmp_path, "[server]\nport = 1\n\n[cache.disk]\nsize = 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {}, {})
+    assert "cache.disk" in str(err.value)
+    assert f"{path} line 4" in str(err.value)
+
+
+def test_wrong_type_names_key_and_line(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        [server]
+        host = "127.0.0.1"
+
+        [cache.ram]
+        quantize_bits = 0
+        checkpoint_interval = "1024"
+        """,
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {}, {})
+    message = str(err.value)
+    assert "cache.ram.checkpoint_interval" in message
+    assert "expected an integer, got string '1024'" in message
+    assert f"{path} line 6" in message
+
+
+def test_wrong_type_in_dotted_key_and_array_of_tables(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        [cache]
+        ssd.enabled = "yes"
+        """,
+    )
+    with pytest.raises(ConfigError, match=r"cache\.ssd\.enabled: expected a boolean.*line 2"):
+        load_config(path, {}, {})
+    path = write(
+        tmp_path,
+        """
+        [[normalization.rules]]
+        name = "one"
+        pattern = "a"
+
+        [[normalization.rules]]
+        name = "two"
+        pattern = "b"
+        roles = "system"
+        """,
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {}, {})
+    assert "normalization.rules[1].roles" in str(err.value)
+    assert "expected an array of strings" in str(err.value)
+    assert f"{path} line 8" in str(err.value)
+
+
+def test_key_inside_multiline_string_is_not_mistaken_for_a_key(tmp_path):
+    path = write(
+        tmp_path,
+        '''
+        [[normalization.rules]]
+        name = "strip"
+        pattern = """
+        port = 1
+        """
+        roles = [
+          "system",
+          "nobody",
+        ]
+        ''',
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {}, {})
+    assert "normalization.rules[0].roles: unknown role 'nobody'" in str(err.value)
+    assert f"{path} line 6" in str(err.value)
+
+
+def test_bool_is_not_an_int_and_int_widens_to_float(tmp_path):
+    path = write(tmp_path, "[server]\nport = true\n")
+    with pytest.raises(ConfigError, match="expected an integer, got boolean True"):
+        load_config(path, {}, {})
+    path = write(tmp_path, "[upstream]\ntimeout_s = 30\n")
+    assert load_config(path, {}, {}).upstream.timeout_s == 30.0
+
+
+@pytest.mark.parametrize(
+    ("toml", "key", "fragment"),
+    [
+        ("[server]\nport = 70000", "server.port", "not in 0..65535"),
+        ("[server]\nlog_level = 'loud'", "server.log_level", "must be one of"),
+        ("[upstream]\nurl = 'localhost:1234'", "upstream.url", "not an http"),
+        ("[cache.ram]\nbudget = 'lots'", "cache.ram.budget", "invalid size"),
+        ("[cache.ram]\nbudget = '150%'", "cache.ram.budget", "percent must be in"),
+        ("[cache.ram]\nquantize_bits = 6", "cache.ram.quantize_bits", "must be 0, 4 or 8"),
+        ("[cache.ssd]\nmax_size = '10 parsecs'", "cache.ssd.max_size", "invalid size"),
+        ("[cache.ssd]\nttl = 'forever'", "cache.ssd.ttl", "invalid duration"),
+        ("[[normalization.rules]]\nname='x'\npattern='('", "rules[0].pattern", "invalid regex"),
+        ("[[normalization.rules]]\nname = 'x'", "rules[0].pattern", "missing required key"),
+    ],
+)
+def test_bad_values_name_key_and_line(tmp_path, toml, key, fragment):
+    path = write(tmp_path, toml + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {}, {})
+    assert key in str(err.value)
+    assert fragment in str(err.value)
+    assert f"{path} line " in str(err.value)
+
+
+def test_bad_toml_reports_tomllib_position(tmp_path):
+    path = write(tmp_path, "[server]\nport = = 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {}, {})
+    assert str(err.value).startswith(f"invalid TOML in {path}: ")
+    assert "line 2" in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------
+# print-config round trip and the example file
+
+
+def test_print_config_round_trips_defaults(tmp_path):
+    text = config_to_toml(Config())
+    tomllib.loads(text)
+    assert load_config(write(tmp_path, text), {}, {}) == Config()
+
+
+def test_print_config_round_trips_everything_set(tmp_path):
+    path = write(
+        tmp_path,
+        r"""
+        [server]
+        host = "0.0.0.0"
+        port = 8080
+        log_json = true
+        [upstream]
+        timeout_s = 1e3
+        [models]
+        serve = ["demo-llama", "/Users/me/models/qwen \"quoted\""]
+        idle_unload_s = 600
+        [cache.ram]
+        budget = 8000000000
+        quantize_bits = 4
+        [cache.ssd]
+        ttl = 3600
+        max_size = "512MiB"
+        [tenants.api_keys]
+        "sk-a" = "alice"
+        "key with spaces.and.dots" = "bob"
+        [[normalization.rules]]
+        name = "date"
+        pattern = '\d{4}-\d{2}-\d{2}'
+        replacement = "<date>\t\u00e9"
+        roles = ["system", "user"]
+        [[normalization.rules]]
+        name = "cwd"
+        pattern = "cwd: .*"
+        """,
+    )
+    config = load_config(path, {"MLX_PROMPT_CACHE_CACHE_SSD_DIR": "/env/dir"}, {})
+    text = config_to_toml(config)
+    again = load_config(write(tmp_path, text), {}, {})
+    assert again == config
+    assert again.cache.ssd.dir == "/env/dir"  # the effective config, not just the file
+    assert again.cache.ram.budget == 8000000000
+    assert again.tenants.api_keys["key with spaces.and.dots"] == "bob"
+    assert again.normalization.rules[0].replacement == "<date>\té"
+
+
+def uncomment_settings(text: str) -> str:
+    """The example with its commented-out optional settings ("# key = ...") switched on."""
+    setting = re.compile(r"^# (\[|[A-Za-z_\"][\w\-\" ]*= )")
+    return "\n".join(line[2:] if setting.match(line) else line for line in text.splitlines())
+
+
+def test_example_file_equals_defaults_and_covers_every_key():
+    example = REPO / "config.example.toml"
+    assert load_config(example, {}, {}) == Config()
+    keys = key_lines(uncomment_settings(example.read_text()))
+    expected = [tuple(dotted.split(".")) for dotted in env_var_names().values()]
+    expected += [("normalization", "rules", 0, name) for name in Rule.__dataclass_fields__]
+    missing = [path for path in expected if path not in keys]
+    assert missing == []
+
+
+def test_example_file_optional_settings_are_valid_when_uncommented(tmp_path):
+    text = (REPO / "config.example.toml").read_text()
+    setting = re.compile(r"^# (\[|[A-Za-z_\"][\w\-\" ]*= )")
+    uncommented = "\n".join(line[2:] if setting.match(line) else line for line in text.splitlines())
+    config = load_config(write(tmp_path, uncommented), {}, {})
+    assert config.models.idle_unload_s == 1800.0
+    assert config.cache.ssd.ttl == "7d"
+    assert config.tenants.api_keys == {"sk-local-alice": "alice", "sk-local-bob": "bob"}
+    assert config.normalization.rules == [
+        Rule(
+            name="session-date",
+            pattern=r"Today's date is \d{4}-\d{2}-\d{2}\.",
+            replacement="Today's date is <date>.",
+            roles=["system"],
+        )
+    ]
+    rule = re.compile(config.normalization.rules[0].pattern)
+    assert rule.sub("X", "Today's date is 2026-11-29.") == "X"
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        (123, 123),
+        ("123", 123),
+        ("8GB", 8 * 10**9),
+        ("8 gb", 8 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5G", 1_500_000_000),
+        ("10KiB", 10240),
+        ("0", 0),
+    ],
+)
+def test_parse_size(spec, expected):
+    assert parse_size(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["", "GB", "8XB", "-1", -1, True, "1e3"])
+def test_parse_size_rejects(spec):
+    with pytest.raises(ValueError):
+        parse_size(spec)
+
+
+def test_resolve_ram_budget():
+    gib = 2**30
+    assert resolve_ram_budget("20%", 100 * gib) == 20 * gib
+    assert resolve_ram_budget("50 %", 10 * gib) == 5 * gib
+    assert resolve_ram_budget("20%", 10 * 2**20) == RAM_BUDGET_FLOOR  # percent has a floor
+    assert resolve_ram_budget("8GB", 1) == 8 * 10**9
+    assert resolve_ram_budget("1MB", 100 * gib) == 10**6  # an explicit size is taken as given
+    assert resolve_ram_budget(4096, 100 * gib) == 4096
+    for bad in ("0%", "101%", "x%"):
+        with pytest.raises(ValueError):
+            resolve_ram_budget(bad, gib)
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("7d", 7 * 86400.0),
+        ("12h", 43200.0),
+        ("90m", 5400.0),
+        ("45s", 45.0),
+        ("1h30m", 5400.0),
+        ("2w", 14 * 86400.0),
+        ("3600", 3600.0),
+        (3600, 3600.0),
+        (1.5, 1.5),
+    ],
+)
+def test_parse_duration(spec, expected):
+    assert parse_duration(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["", "7 days", "h", "1x", "-5", -5, False])
+def test_parse_duration_rejects(spec):
+    with pytest.raises(ValueError):
+        parse_duration(spec)
