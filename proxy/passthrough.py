@@ -1,0 +1,256 @@
+"""Upstream passthrough: what the proxy does not serve goes to LM Studio, streamed as it comes.
+
+One ``aiohttp.ClientSession`` per process (created in a ``cleanup_ctx``) carries every
+forwarded request, so keep-alive connections to LM Studio are pooled. Bodies are passed
+through byte for byte: no decompression, no buffering of the response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from proxy.config import UpstreamConfig
+
+log = logging.getLogger(__name__)
+
+# RFC 9110 §7.6.1 connection-specific headers, plus the de-facto Proxy-Connection.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Host names the upstream, Content-Length is recomputed from the body actually sent, and
+# Expect: 100-continue was already answered to the client when its body was read.
+_REQUEST_ONLY_DROP = frozenset({"host", "content-length", "expect"})
+# aiohttp adds these when absent; a passthrough must send only what the client sent (an
+# added Accept-Encoding would get the client a gzip body it never asked for).
+_NO_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent")
+
+MODELS_TTL_S = 2.0
+MODELS_TIMEOUT_S = 3.0
+LOCAL_OWNER = "mlx-prompt-cache"
+UPSTREAM_OWNER = "lmstudio"
+
+
+@dataclass(slots=True)
+class UpstreamModels:
+    """What ``GET {upstream}/v1/models`` said; ``reachable`` is False when nothing answered."""
+
+    reachable: bool
+    ids: list[str] = field(default_factory=list)
+    error: str | None = None
+    raw: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _ModelsCache:
+    # The lock makes concurrent /v1/models and chat routing share one upstream fetch.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    value: UpstreamModels | None = None
+    fetched_at: float = 0.0
+
+
+UPSTREAM_CONFIG = web.AppKey("upstream_config", UpstreamConfig)
+UPSTREAM_SESSION = web.AppKey("upstream_session", aiohttp.ClientSession)
+_MODELS_CACHE = web.AppKey("upstream_models_cache", _ModelsCache)
+
+
+def setup_passthrough(app: web.Application, config: UpstreamConfig) -> None:
+    """Store the upstream config and open/close the shared client session with the app."""
+    app[UPSTREAM_CONFIG] = config
+    app[_MODELS_CACHE] = _ModelsCache()
+    app.cleanup_ctx.append(_upstream_session)
+
+
+async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
+    config = app[UPSTREAM_CONFIG]
+    # sock_read bounds silence between chunks, not the whole response, so a generation
+    # that streams for ten minutes is fine while a hung upstream is not.
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=config.connect_timeout_s, sock_read=config.timeout_s
+    )
+    session = aiohttp.ClientSession(
+        timeout=timeout,
+        auto_decompress=False,
+        # Cookies belong to the clients, not to the proxy: never keep them between requests.
+        cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=_NO_AUTO_HEADERS,
+    )
+    app[UPSTREAM_SESSION] = session
+    try:
+        yield
+    finally:
+        await session.close()
+
+
+def unavailable_response(upstream_url: str, reason: str) -> web.Response:
+    """The 502 every client gets when LM Studio cannot be reached."""
+    message = f"upstream LM Studio at {upstream_url} is unreachable: {reason}"
+    body = {"error": {"message": message, "type": "upstream_unavailable", "code": 502}}
+    return web.json_response(body, status=502)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return "timed out connecting"
+    if isinstance(exc, TimeoutError):
+        return "timed out waiting for a response"
+    return str(exc) or type(exc).__name__
+
+
+def _filtered(headers: CIMultiDictProxy[str], drop: Iterable[str]) -> CIMultiDict[str]:
+    # Headers named in Connection are hop-by-hop for this hop only (RFC 9110 §7.6.1).
+    dropped = set(drop)
+    for value in headers.getall("Connection", []):
+        dropped.update(t.strip().lower() for t in value.split(","))
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        low = name.lower()
+        if low in dropped or low.startswith("proxy-"):
+            continue
+        out.add(name, value)
+    return out
+
+
+def upstream_url(config: UpstreamConfig, request: web.Request) -> URL:
+    """The upstream URL for a request: same raw path and query string, byte for byte."""
+    return URL(config.url.rstrip("/") + request.rel_url.raw_path_qs, encoded=True)
+
+
+async def forward(request: web.Request, body: bytes | None = None) -> web.StreamResponse:
+    """Send the request to the upstream and stream its answer back unchanged.
+
+    ``body`` is for callers that already read the request (to look at the model); without
+    it the body is read here, bounded by the app's ``client_max_size``.
+    """
+    config = request.config_dict[UPSTREAM_CONFIG]
+    if not config.enabled:
+        message = f"no route for {request.method} {request.path} (upstream passthrough is off)"
+        error = {"message": message, "type": "not_found", "code": 404}
+        return web.json_response({"error": error}, status=404)
+    session = request.config_dict[UPSTREAM_SESSION]
+    if body is None and request.body_exists:
+        body = await request.read()
+    headers = _filtered(request.headers, HOP_BY_HOP | _REQUEST_ONLY_DROP)
+    try:
+        upstream = await session.request(
+            request.method,
+            upstream_url(config, request),
+            headers=headers,
+            data=body,
+            allow_redirects=False,  # a redirect is the client's to follow, not ours
+        )
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.warning(
+            "upstream %s unreachable for %s %s: %r", config.url, request.method, request.path, exc
+        )
+        return unavailable_response(config.url, _reason(exc))
+
+    # close() drops the connection (the upstream sees the client's disconnect and stops
+    # generating); release() returns a fully read one to the pool.
+    finished = False
+    try:
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        # Content-Length and Content-Encoding stay: the bytes are passed through untouched.
+        response.headers.extend(_filtered(upstream.headers, HOP_BY_HOP))
+        await response.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                try:
+                    await response.write(chunk)
+                except ConnectionResetError:
+                    log.info(
+                        "client left during %s %s; closing upstream", request.method, request.path
+                    )
+                    return response
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # Too late for a 502: cut the client's connection so it sees a truncated
+            # response instead of a clean end of stream.
+            log.warning("upstream %s failed mid-response to %s: %r", config.url, request.path, exc)
+            if request.transport is not None:
+                request.transport.close()
+            return response
+        finished = True
+        return response
+    finally:
+        if finished:
+            upstream.release()
+        else:
+            upstream.close()
+
+
+async def upstream_models(app: web.Application) -> UpstreamModels:
+    """The upstream's model list, cached for ~2 s so routing a chat request stays cheap.
+
+    A failure is cached too: a stopped LM Studio costs one connection attempt per TTL.
+    """
+    config = app[UPSTREAM_CONFIG]
+    cache = app[_MODELS_CACHE]
+    if not config.enabled:
+        return UpstreamModels(reachable=False, error="upstream passthrough is off")
+    async with cache.lock:
+        now = time.monotonic()
+        if cache.value is not None and now - cache.fetched_at < MODELS_TTL_S:
+            return cache.value
+        cache.value = await _fetch_models(app[UPSTREAM_SESSION], config)
+        cache.fetched_at = time.monotonic()
+        return cache.value
+
+
+async def _fetch_models(session: aiohttp.ClientSession, config: UpstreamConfig) -> UpstreamModels:
+    url = config.url.rstrip("/") + "/v1/models"
+    timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S, sock_connect=config.connect_timeout_s)
+    try:
+        async with session.get(
+            url, timeout=timeout, headers={"Accept": "application/json"}
+        ) as resp:
+            raw = await resp.read()
+            status = resp.status
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return UpstreamModels(reachable=False, error=_reason(exc))
+    if status != 200:
+        return UpstreamModels(reachable=True, error=f"GET {url} answered HTTP {status}")
+    try:
+        data = json.loads(raw)
+        entries = [e for e in data["data"] if isinstance(e, dict) and isinstance(e.get("id"), str)]
+    except (ValueError, KeyError, TypeError) as exc:
+        return UpstreamModels(reachable=True, error=f"GET {url} returned no model list: {exc}")
+    return UpstreamModels(reachable=True, ids=[e["id"] for e in entries], raw=entries)
+
+
+def merge_model_lists(
+    local: list[dict[str, Any]], upstream: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One OpenAI model list: local models first, then the upstream's, one entry per id."""
+    merged: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for entries, owner in ((local, LOCAL_OWNER), (upstream, UPSTREAM_OWNER)):
+        for entry in entries:
+            model_id = entry.get("id")
+            if not isinstance(model_id, str) or model_id in seen:
+                continue
+            seen.add(model_id)
+            out = {**entry, "object": "model"}
+            if owner == LOCAL_OWNER or not out.get("owned_by"):
+                out["owned_by"] = owner
+            merged.append(out)
+    return merged
