@@ -1,0 +1,148 @@
+"""Checkpoints: layer state valid only at one exact token position, and how they are thinned.
+
+A checkpoint at position P is keyed by its anchor (the hash of the last full block before P,
+or the chain root when P < block_size) and its tail (the tokens from that block's start to
+P, fewer than block_size). It holds the snapshot layers' state (SSM, wrapped sliding window)
+and the paged layers' partial tail block, so it can sit at any position.
+
+Thinning policy. Inserting a checkpoint at P drops every unreferenced *periodic* checkpoint
+that lies earlier on the same token path. Periodic checkpoints exist so a long prefill can
+resume part way; once a deeper checkpoint covers the same path, only a request diverging
+between the two would want the older one, and the message boundaries (`boundary`,
+`prompt_end`, `generation_end`), which are never thinned, are the better resume points for
+that. So each branch keeps its newest periodic checkpoint plus all its boundaries; the
+memory budget then evicts by LRU like any other entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from engine_bridge.cache.hashing import BlockHash, checkpoint_key
+from engine_bridge.cache.pool import FreeQueue, Linked, pin, refresh, unpin
+
+Reason = Literal["periodic", "boundary", "prompt_end", "generation_end"]
+REASONS: frozenset[str] = frozenset(get_args(Reason))
+
+
+@dataclass(slots=True, eq=False)
+class Checkpoint:
+    """State at exactly `position` tokens: `tail` tokens past the full blocks under `anchor`."""
+
+    ckpt_id: int
+    key: BlockHash
+    anchor: BlockHash
+    tail: tuple[int, ...]
+    position: int
+    reason: Reason
+    payload: object = field(repr=False)
+    nbytes: int
+    ref_cnt: int = 0
+    prev_free: Linked | None = field(default=None, repr=False)
+    next_free: Linked | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return (
+            f"Checkpoint(id={self.ckpt_id}, position={self.position}, reason={self.reason}, "
+            f"anchor={self.anchor.hex()[:12]}, nbytes={self.nbytes}, ref_cnt={self.ref_cnt})"
+        )
+
+
+class CheckpointStore:
+    """Checkpoints by key and by anchor, sharing the block pool's LRU free queue."""
+
+    def __init__(self, free_queue: FreeQueue) -> None:
+        self.free_queue = free_queue
+        self._by_key: dict[BlockHash, Checkpoint] = {}
+        self._by_anchor: dict[BlockHash, dict[BlockHash, Checkpoint]] = {}
+        self._next_id = 0
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def get(self, key: BlockHash) -> Checkpoint | None:
+        return self._by_key.get(key)
+
+    def at(self, anchor: BlockHash) -> Collection[Checkpoint]:
+        return self._by_anchor.get(anchor, {}).values()
+
+    def insert(
+        self,
+        anchor: BlockHash,
+        tail: tuple[int, ...],
+        position: int,
+        reason: Reason,
+        payload: object,
+        nbytes: int,
+    ) -> tuple[Checkpoint, bool]:
+        """The checkpoint at (anchor, tail) and whether it is new; an existing one wins.
+
+        A boundary reason upgrades an existing periodic checkpoint so thinning spares it.
+        """
+        assert reason in REASONS, f"checkpoint reason {reason!r} not in {sorted(REASONS)}"
+        key = checkpoint_key(anchor, tail)
+        ckpt = self._by_key.get(key)
+        if ckpt is not None:
+            assert ckpt.position == position, f"{ckpt!r} found for position {position}"
+            if ckpt.reason == "periodic":
+                ckpt.reason = reason
+            return ckpt, False
+        ckpt = Checkpoint(self._next_id, key, anchor, tail, position, reason, payload, nbytes)
+        self._next_id += 1
+        self._by_key[key] = ckpt
+        self._by_anchor.setdefault(anchor, {})[key] = ckpt
+        self.nbytes += nbytes
+        self.free_queue.append(ckpt)
+        return ckpt, True
+
+    def acquire(self, ckpt: Checkpoint) -> None:
+        assert self._by_key.get(ckpt.key) is ckpt, f"acquire of evicted {ckpt!r}"
+        pin(ckpt, self.free_queue)
+
+    def release(self, ckpt: Checkpoint) -> None:
+        assert self._by_key.get(ckpt.key) is ckpt, f"release of evicted {ckpt!r}"
+        unpin(ckpt, self.free_queue)
+
+    def refresh(self, ckpt: Checkpoint) -> None:
+        refresh(ckpt, self.free_queue)
+
+    def remove(self, ckpt: Checkpoint) -> None:
+        """Forget an unreferenced checkpoint, queued or already popped from the queue."""
+        assert ckpt.ref_cnt == 0, f"remove of referenced {ckpt!r}"
+        assert self._by_key.get(ckpt.key) is ckpt, f"remove of unknown {ckpt!r}"
+        if ckpt.prev_free is not None:
+            self.free_queue.remove(ckpt)
+        del self._by_key[ckpt.key]
+        siblings = self._by_anchor[ckpt.anchor]
+        del siblings[ckpt.key]
+        if not siblings:
+            del self._by_anchor[ckpt.anchor]
+        self.nbytes -= ckpt.nbytes
+
+    def thin(
+        self,
+        path_anchors: Sequence[BlockHash],
+        tokens: tuple[int, ...],
+        newest: Checkpoint,
+        block_size: int,
+    ) -> list[Checkpoint]:
+        """Remove unreferenced periodic checkpoints before `newest` on its path (module doc).
+
+        `path_anchors[i]` is the anchor of block i of `tokens`, for blocks 0..newest's.
+        """
+        thinned = []
+        for i, anchor in enumerate(path_anchors):
+            start = i * block_size
+            for ckpt in list(self.at(anchor)):
+                if (
+                    ckpt.reason == "periodic"
+                    and ckpt.ref_cnt == 0
+                    and ckpt.position < newest.position
+                    and tokens[start : start + len(ckpt.tail)] == ckpt.tail
+                ):
+                    self.remove(ckpt)
+                    thinned.append(ckpt)
+        return thinned
