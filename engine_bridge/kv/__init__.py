@@ -1,0 +1,63 @@
+"""mlx-lm cache objects ⇄ per-block tensors and checkpoints, and those ⇄ host tensors.
+
+`caches` is the only file that knows mlx-lm's cache classes; `payloads` are what the cache
+manager stores (opaque to it beyond `nbytes`); `host` converts them for the SSD tier.
+"""
+
+from engine_bridge.kv.caches import (
+    Kind,
+    Layout,
+    Slot,
+    UnsupportedCacheError,
+    extract_blocks,
+    extract_checkpoint,
+    layout,
+    quantize_block,
+    restore,
+)
+from engine_bridge.kv.host import (
+    FORMAT,
+    PayloadFormatError,
+    payload_from_host,
+    payload_to_host,
+    tensor_from_host,
+    tensor_to_host,
+)
+from engine_bridge.kv.payloads import (
+    ArraysState,
+    BlockPayload,
+    CheckpointPayload,
+    DenseKV,
+    PagedKV,
+    Payload,
+    QuantKV,
+    RotatingState,
+    Snapshot,
+)
+
+__all__ = [
+    "FORMAT",
+    "ArraysState",
+    "BlockPayload",
+    "CheckpointPayload",
+    "DenseKV",
+    "Kind",
+    "Layout",
+    "PagedKV",
+    "Payload",
+    "PayloadFormatError",
+    "QuantKV",
+    "RotatingState",
+    "Slot",
+    "Snapshot",
+    "UnsupportedCacheError",
+    "extract_blocks",
+    "extract_checkpoint",
+    "layout",
+    "payload_from_host",
+    "payload_to_host",
+    "quantize_block",
+    "restore",
+    "tensor_from_host",
+    "tensor_to_host",
+]
