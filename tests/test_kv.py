@@ -302,6 +302,29 @@ def test_paged_resume_from_checkpoint_tail_matches_cold(models, tokens, position
     _resume(models["llama"], tokens, position, suffix_step=suffix_step)
 
 
+@pytest.mark.parametrize("length", [2 * BS, 40])
+def test_paged_resume_inside_checkpoint_tail_matches_cold(models, tokens, length):
+    # A request that diverges inside the partial block a checkpoint at 45 holds.
+    model = models["llama"]
+    live = make_prompt_cache(model)
+    _feed(model, live, tokens[:45], 13)
+    blocks = extract_blocks(live, 0, 2, BS)
+
+    restored = restore(model, blocks, length, extract_checkpoint(live, 45, BS))
+
+    assert [c.keys.shape[2] for c in restored] == [length, length]
+    _assert_matches_cold(_feed(model, restored, tokens[length:]), _cold(model, tokens)[:, length:])
+
+
+def test_hybrid_checkpoint_restores_only_its_own_position(models, tokens):
+    model = models["hybrid"]
+    live = make_prompt_cache(model)
+    _feed(model, live, tokens[:45], 13)
+    ckpt = extract_checkpoint(live, 45, BS)
+    with pytest.raises(AssertionError, match="checkpoint at 45, restoring 40"):
+        restore(model, extract_blocks(live, 0, 2, BS), 40, ckpt)
+
+
 @pytest.mark.parametrize("position", [2 * BS, 45, N - 1])
 @pytest.mark.parametrize("suffix_step", [None, 1])
 def test_hybrid_resume_from_checkpoint_matches_cold(models, tokens, position, suffix_step):

@@ -269,7 +269,8 @@ def restore(
     """A fresh cache list in the state of one that has prefilled exactly `length` tokens.
 
     Paged layers come from `blocks` (then the checkpoint's tail), snapshot layers from the
-    checkpoint, which must sit at `length` when given. `cache` is an empty cache list to fill
+    checkpoint, which must sit at `length` (or, for a model without snapshot layers, no more
+    than one partial block past it). `cache` is an empty cache list to fill
     (default `make_prompt_cache(model)`); its paged classes decide the stored form: a
     KVCache dequantizes quantized blocks, a QuantizedKVCache quantizes dense ones.
     """
@@ -277,11 +278,13 @@ def restore(
     lay = layout(cache)
     assert all(c.empty() for _, c in _leaves(cache)), "restore needs an empty cache list"
     if checkpoint is not None:
-        assert checkpoint.position == length, (
+        # Without snapshot layers a checkpoint's tail is plain K/V, so any prefix of it serves.
+        lo = checkpoint.position if lay.has_snapshots else checkpoint.tail_start
+        assert lo <= length <= checkpoint.position, (
             f"checkpoint at {checkpoint.position}, restoring {length}"
         )
         bs = checkpoint.block_size
-        full = length // bs
+        full = checkpoint.tail_start // bs
     else:
         assert not lay.has_snapshots, f"{len(lay.snapshots)} snapshot layers need a checkpoint"
         bs = blocks[0].tokens if blocks else 0
