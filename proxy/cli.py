@@ -69,7 +69,9 @@ def serve(args: argparse.Namespace) -> int:
         )
     )
     settings = ProxySettings(
-        cache_enabled=not args.no_cache, upstream_url=args.upstream or "http://127.0.0.1:1234"
+        cache_enabled=not args.no_cache,
+        upstream_url=args.upstream or "http://127.0.0.1:1234",
+        max_body_bytes=args.max_body_bytes or 32 << 20,
     )
     app = create_app(engine, settings)
     asyncio.run(_run(app, args.host or "127.0.0.1", args.port or 1235))

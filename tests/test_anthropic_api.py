@@ -64,7 +64,7 @@ def test_messages_create_with_claude_code_shaped_request(anthropic_client):
         system=SYSTEM_BLOCKS,
         tools=TOOLS,
         messages=HISTORY,
-        temperature=0,
+        extra_body={"temperature": 0},
         metadata={"user_id": "user_abc_account_x_session_y"},
         extra_headers={"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"},
     )
@@ -85,7 +85,7 @@ def test_messages_stream_event_sequence_and_final_message(anthropic_client):
         system=SYSTEM_BLOCKS,
         tools=TOOLS,
         messages=HISTORY,
-        temperature=0,
+        extra_body={"temperature": 0},
     ) as stream:
         events = [e.type for e in stream]
         final = stream.get_final_message()
@@ -101,7 +101,7 @@ def test_messages_stream_event_sequence_and_final_message(anthropic_client):
         system=SYSTEM_BLOCKS,
         tools=TOOLS,
         messages=HISTORY,
-        temperature=0,
+        extra_body={"temperature": 0},
     )
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in create.content]
 
@@ -124,7 +124,7 @@ def test_stop_sequences_reported(anthropic_client, server):
         model="demo-llama",
         max_tokens=20,
         messages=[{"role": "user", "content": "Go on"}],
-        temperature=0,
+        extra_body={"temperature": 0},
     )
     text = "".join(b.text for b in base.content if b.type == "text")
     if len(text) < 6:
@@ -134,7 +134,7 @@ def test_stop_sequences_reported(anthropic_client, server):
         model="demo-llama",
         max_tokens=20,
         messages=[{"role": "user", "content": "Go on"}],
-        temperature=0,
+        extra_body={"temperature": 0},
         stop_sequences=[stop],
     )
     assert msg.stop_reason == "stop_sequence"

@@ -39,8 +39,7 @@ class HostTensor:
         assert self.dtype in DTYPE_SIZES, f"unknown dtype {self.dtype!r}"
         expected = prod(self.shape) * DTYPE_SIZES[self.dtype]
         assert self.nbytes == expected, (
-            f"tensor data is {self.nbytes} bytes, shape {self.shape} {self.dtype} "
-            f"needs {expected}"
+            f"tensor data is {self.nbytes} bytes, shape {self.shape} {self.dtype} needs {expected}"
         )
 
     @property
