@@ -38,7 +38,7 @@ def _key(name: str) -> mx.array:
 def _init(name: str, value: mx.array, muted_rows: list[int]) -> mx.array:
     key = _key(name)
     if name.endswith("A_log"):
-        # Gated DeltaNet decay rates, in the range mlx-lm itself draws from.
+        # Gated DeltaNet decay rates: mlx-lm draws from (0, 16); start at 1 so log is finite.
         return mx.log(mx.random.uniform(1.0, 16.0, value.shape, key=key))
     if value.ndim == 1:
         # Norm scales and dt_bias: constructed as constants, kept as they are.
