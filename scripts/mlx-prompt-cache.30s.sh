@@ -1,0 +1,216 @@
+#!/usr/bin/env bash
+# <xbar.title>mlx-prompt-cache</xbar.title>
+# <xbar.version>v0.1.0</xbar.version>
+# <xbar.desc>Prompt cache hit ratio, tier sizes and start/stop for the mlx-prompt-cache proxy.</xbar.desc>
+# <xbar.dependencies>bash,curl</xbar.dependencies>
+# <swiftbar.hideRunInTerminal>true</swiftbar.hideRunInTerminal>
+#
+# SwiftBar / xbar plugin, refreshed every 30 s (the ".30s." in the name). Install by
+# symlinking it into the plugin folder:
+#   ln -s "$PWD/scripts/mlx-prompt-cache.30s.sh" ~/Library/Application\ Support/SwiftBar/Plugins/
+#
+# Only bash, curl and awk: SwiftBar runs plugins with a minimal PATH, and /usr/bin/python3 on
+# a Mac without the developer tools is a stub that pops up an install dialog.
+#
+#   MLX_PROMPT_CACHE_URL   proxy to watch (default http://127.0.0.1:1235)
+#   LAUNCHCTL              launchctl to use in actions (default /bin/launchctl)
+set -u
+export PATH="/usr/bin:/bin:/usr/sbin:/sbin:/opt/homebrew/bin:/usr/local/bin:$PATH"
+
+URL="${MLX_PROMPT_CACHE_URL:-http://127.0.0.1:1235}"
+URL="${URL%/}"
+LABEL="com.mlx-prompt-cache"
+LAUNCHCTL="${LAUNCHCTL:-/bin/launchctl}"
+PLIST="${PLIST_DIR:-$HOME/Library/LaunchAgents}/$LABEL.plist"
+LOG_DIR="$HOME/Library/Logs/mlx-prompt-cache"
+SERVICE="gui/$(id -u)/$LABEL"
+
+# JSON -> "path=value" lines ("ram.bytes=123", "models.0=demo-llama"), one per scalar.
+# A few lines of awk instead of a JSON tool the Mac may not have; the stats are flat
+# machine-written JSON, and anything it cannot read simply shows as missing.
+flatten_json() {
+    awk '
+    function emit(v,   p, k) {
+        p = ""
+        for (k = 1; k <= depth; k++) p = p (k > 1 ? "." : "") key[k]
+        print p "=" v
+    }
+    { text = text $0 "\n" }
+    END {
+        s = text; n = length(s); i = 1; depth = 0
+        while (i <= n) {
+            c = substr(s, i, 1)
+            if (c == "{") { depth++; kind[depth] = "o"; key[depth] = ""; want_key = 1; i++ }
+            else if (c == "[") { depth++; kind[depth] = "a"; key[depth] = 0; i++ }
+            else if (c == "}" || c == "]") { depth--; i++ }
+            else if (c == ",") {
+                if (kind[depth] == "o") want_key = 1; else key[depth]++
+                i++
+            }
+            else if (c == ":" || c == " " || c == "\t" || c == "\n" || c == "\r") { i++ }
+            else if (c == "\"") {
+                j = i + 1; str = ""
+                while (j <= n) {
+                    d = substr(s, j, 1)
+                    if (d == "\\") { str = str substr(s, j + 1, 1); j += 2; continue }
+                    if (d == "\"") break
+                    str = str d; j++
+                }
+                i = j + 1
+                if (kind[depth] == "o" && want_key) { key[depth] = str; want_key = 0 }
+                else emit(str)
+            }
+            else {
+                j = i
+                while (j <= n && index(",}] \t\r\n", substr(s, j, 1)) == 0) j++
+                emit(substr(s, i, j - i)); i = j
+            }
+        }
+    }'
+}
+
+# The first of the given paths that has a value ("" when none does).
+field() {
+    local flat="$1" path value
+    shift
+    for path in "$@"; do
+        value="$(printf '%s\n' "$flat" | awk -v p="$path" 'index($0, p "=") == 1 { print substr($0, length(p) + 2); exit }')"
+        if [ -n "$value" ] && [ "$value" != "null" ]; then
+            printf '%s' "$value"
+            return
+        fi
+    done
+}
+
+human_bytes() {
+    awk -v b="$1" 'BEGIN {
+        split("B KB MB GB TB", unit, " "); i = 1
+        while (b >= 1000 && i < 5) { b /= 1000; i++ }
+        printf(i == 1 ? "%d %s" : "%.1f %s", b, unit[i])
+    }'
+}
+
+percent() {
+    awk -v r="$1" 'BEGIN { printf("%.0f%%", r * 100) }'
+}
+
+is_loaded() {
+    "$LAUNCHCTL" print "$SERVICE" >/dev/null 2>&1
+}
+
+self_path() {
+    printf '%s/%s' "$(cd "$(dirname "$0")" && pwd)" "$(basename "$0")"
+}
+
+# The CLI the agent runs (first ProgramArguments entry), for "cache clear".
+cli_path() {
+    local cli=""
+    if [ -f "$PLIST" ]; then
+        cli="$(/usr/libexec/PlistBuddy -c "Print :ProgramArguments:0" "$PLIST" 2>/dev/null)" || cli=""
+    fi
+    [ -n "$cli" ] || cli="$(command -v mlx-prompt-cache 2>/dev/null)" || cli=""
+    printf '%s' "$cli"
+}
+
+start_action() {
+    # A loaded agent is started with kickstart; an unloaded one has to be bootstrapped.
+    if is_loaded; then
+        echo "Start | bash=$LAUNCHCTL param1=kickstart param2=$SERVICE terminal=false refresh=true"
+    else
+        echo "Start | bash=$LAUNCHCTL param1=bootstrap param2=gui/$(id -u) param3=\"$PLIST\" terminal=false refresh=true"
+    fi
+}
+
+common_actions() {
+    echo "Open logs | bash=/usr/bin/open param1=\"$LOG_DIR\" terminal=false"
+    echo "Refresh | refresh=true"
+}
+
+render_down() {
+    local why="$1"
+    echo "⚡ stopped"
+    echo "---"
+    echo "mlx-prompt-cache is not running"
+    echo "$why | color=gray"
+    echo "---"
+    start_action
+    common_actions
+}
+
+render_up() {
+    local stats="$1" health="$2"
+    local ratio requests hits misses ram_bytes ram_blocks ssd_bytes ssd_blocks spills reloads
+    local title="⚡ up" models="" i name
+    ratio="$(field "$stats" hit_ratio requests.hit_ratio)"
+    requests="$(field "$stats" requests.total requests)"
+    hits="$(field "$stats" hits requests.hits)"
+    misses="$(field "$stats" misses requests.misses)"
+    ram_bytes="$(field "$stats" ram.bytes tiers.ram.bytes cache.ram.bytes)"
+    ram_blocks="$(field "$stats" ram.blocks tiers.ram.blocks cache.ram.blocks)"
+    ssd_bytes="$(field "$stats" ssd.bytes tiers.ssd.bytes cache.ssd.bytes)"
+    ssd_blocks="$(field "$stats" ssd.blocks tiers.ssd.blocks cache.ssd.blocks)"
+    spills="$(field "$stats" ssd.spills tiers.ssd.spills cache.ssd.spills)"
+    reloads="$(field "$stats" ssd.reloads tiers.ssd.reloads cache.ssd.reloads)"
+    local source="$stats"
+    [ -n "$(field "$stats" models.0)" ] || source="$health"
+    for i in 0 1 2 3 4 5 6 7; do
+        name="$(field "$source" "models.$i")"
+        [ -n "$name" ] || break
+        models="${models:+$models, }$name"
+    done
+
+    [ -n "$ratio" ] && title="⚡ $(percent "$ratio")"
+    echo "$title"
+    echo "---"
+    echo "mlx-prompt-cache at $URL | href=$URL/health"
+    [ -n "$ratio" ] && echo "Token hit ratio: $(percent "$ratio")"
+    [ -n "$requests" ] && echo "Requests: $requests${hits:+ ($hits hits, ${misses:-0} misses)}"
+    if [ -n "$ram_bytes" ]; then
+        echo "RAM: $(human_bytes "$ram_bytes")${ram_blocks:+ in $ram_blocks blocks}"
+    fi
+    if [ -n "$ssd_bytes" ]; then
+        echo "SSD: $(human_bytes "$ssd_bytes")${ssd_blocks:+ in $ssd_blocks blocks}"
+    fi
+    [ -n "$spills$reloads" ] && echo "SSD spills/reloads: ${spills:-0}/${reloads:-0}"
+    # A "|" in a model name would start SwiftBar's parameter list.
+    [ -n "$models" ] && echo "Models: ${models//|/¦}"
+    echo "---"
+    echo "Open dashboard | href=$URL/v1/cache/stats"
+    echo "Restart | bash=$LAUNCHCTL param1=kickstart param2=-k param3=$SERVICE terminal=false refresh=true"
+    echo "Stop | bash=$LAUNCHCTL param1=bootout param2=$SERVICE terminal=false refresh=true"
+    local cli
+    cli="$(cli_path)"
+    if [ -n "$cli" ]; then
+        echo "Clear cache | bash=\"$cli\" param1=cache param2=clear terminal=false refresh=true"
+    fi
+    common_actions
+}
+
+main() {
+    local stats code rc
+    # -w appends the HTTP status on its own line; curl's exit code tells refused from slow.
+    stats="$(curl -s -m 3 -w '\n%{http_code}' "$URL/v1/cache/stats" 2>/dev/null)"
+    rc=$?
+    case "$rc" in
+        0) ;;
+        7) render_down "nothing listening at $URL"; return 0 ;;
+        28) render_down "no answer from $URL within 3 s"; return 0 ;;
+        *) render_down "cannot reach $URL (curl exit $rc)"; return 0 ;;
+    esac
+    code="${stats##*$'\n'}"
+    stats="${stats%$'\n'*}"
+    if [ "$code" != "200" ]; then
+        echo "⚡ error"
+        echo "---"
+        echo "$URL/v1/cache/stats answered HTTP $code | color=red"
+        echo "---"
+        echo "Restart | bash=$LAUNCHCTL param1=kickstart param2=-k param3=$SERVICE terminal=false refresh=true"
+        common_actions
+        return 0
+    fi
+    local health
+    health="$(curl -s -m 2 "$URL/health" 2>/dev/null | flatten_json)"
+    render_up "$(printf '%s' "$stats" | flatten_json)" "$health"
+}
+
+main "$@"
