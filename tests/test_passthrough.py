@@ -19,6 +19,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from engine_bridge.demo import ensure_demo_model
 from proxy.config import UpstreamConfig
 from proxy.passthrough import (
     UPSTREAM_CONFIG,
@@ -36,66 +37,12 @@ CHAT = {
 
 
 # ---------------------------------------------------------------------------------------
-# Fixtures: a tiny model, a real mlx_lm.server on it, and the proxy under test
-
-
-def _build_tiny_llama(root: Path) -> Path:
-    """A random-weight llama small enough to load in a second, with a real BPE tokenizer."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    root.mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    specials = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
-    # No full byte alphabet: only ASCII pieces, so random weights still decode to text.
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials, show_progress=False)
-    corpus = "hello world, the quick brown fox jumps over the lazy dog; system user assistant"
-    tokenizer.train_from_iterator([corpus] * 20, trainer)
-    tokenizer.save(str(root / "tokenizer.json"))
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|bos|>",
-        "eos_token": "<|eos|>",
-        "chat_template": template,
-    }
-    (root / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    config = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": tokenizer.get_vocab_size(),
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        "max_position_embeddings": 4096,
-        "eos_token_id": tokenizer.token_to_id("<|eos|>"),
-    }
-    (root / "config.json").write_text(json.dumps(config))
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.save_safetensors(str(root / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    return root
+# Fixtures: the demo model, a real mlx_lm.server on it, and the proxy under test
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    try:
-        from engine_bridge.demo import ensure_demo_model
-    except ImportError:
-        return _build_tiny_llama(root / "tiny-llama")
-    return Path(ensure_demo_model("demo-llama", root))
+    return ensure_demo_model("demo-llama", tmp_path_factory.mktemp("demo"))
 
 
 def _free_port() -> int:
