@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import models
+from . import kv, models
+from .cache.manager import CacheManager
 from .demo import DEMO_MODEL_IDS
 from .prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule, render_chat, render_completion
+from .prompt_cache import CachePolicy, ModelCache
 from .runner import Event, Job, Runner
 from .types import EngineError, GenerationRequest, GenerationResult
 
@@ -23,6 +25,8 @@ class EngineSettings:
     model_specs: list[str] = field(default_factory=list)
     lmstudio_dirs: list[Path] = field(default_factory=list)
     cache_enabled: bool = True
+    ram_budget_bytes: int = 1 << 30
+    cache_policy: CachePolicy = field(default_factory=CachePolicy)
     normalization: list[NormalizationRule] = field(
         default_factory=lambda: [CLAUDE_CODE_BILLING_HEADER]
     )
@@ -90,6 +94,10 @@ class Engine:
         self.settings = settings
         self._entries: dict[str, ModelEntry] = {}
         self.requests = RequestStats()
+        # One RAM tier for every model: the budget is the machine's, not a model's.
+        self.ram = CacheManager(
+            settings.ram_budget_bytes, block_size=settings.cache_policy.block_size
+        )
         specs = settings.model_specs or list(DEMO_MODEL_IDS)
         for spec in specs:
             ref = models.resolve(spec, settings.cache_dir, settings.lmstudio_dirs)
@@ -119,7 +127,14 @@ class Engine:
         return entry.runner
 
     def _session_factory(self, loaded: models.LoadedModel):
-        return None
+        if not self.settings.cache_enabled:
+            return None
+        try:
+            cache = ModelCache(loaded, self.ram, self.settings.cache_policy)
+        except kv.UnsupportedCacheError as e:
+            log.warning("prompt cache off for %s: %s", loaded.id, e)
+            return None
+        return cache.session
 
     async def prepare(self, req: GenerationRequest) -> tuple[Runner, Job]:
         """Tokenize and validate; every client mistake surfaces here, before streaming."""
@@ -172,9 +187,27 @@ class Engine:
 
     def stats(self) -> dict:
         req = self.requests.as_dict()
+        ram = self.ram.stats()
         return {
             "requests": req,
+            "hits": req["hits"],
+            "misses": req["misses"],
             "hit_ratio": req["hit_ratio"],
+            "cache_enabled": self.settings.cache_enabled,
+            "ram": {
+                "blocks": ram.blocks,
+                "checkpoints": ram.checkpoints,
+                "bytes": ram.bytes,
+                "block_bytes": ram.block_bytes,
+                "checkpoint_bytes": ram.checkpoint_bytes,
+                "budget_bytes": ram.budget_bytes,
+                "pinned_bytes": ram.pinned_bytes,
+                "evicted_blocks": ram.evicted_blocks,
+                "evicted_checkpoints": ram.evicted_checkpoints,
+                "evicted_bytes": ram.evicted_bytes,
+                "dedupe_hits": ram.dedupe_hits,
+                "thinned_checkpoints": ram.thinned_checkpoints,
+            },
             "models": self.model_ids,
         }
 

@@ -66,6 +66,7 @@ def serve(args: argparse.Namespace) -> int:
             model_specs=args.models or [],
             lmstudio_dirs=[Path("~/.lmstudio/models"), Path("~/.cache/lm-studio/models")],
             cache_enabled=not args.no_cache,
+            ram_budget_bytes=_default_ram_budget(),
         )
     )
     settings = ProxySettings(
@@ -76,6 +77,13 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(engine, settings)
     asyncio.run(_run(app, args.host or "127.0.0.1", args.port or 1235))
     return 0
+
+
+def _default_ram_budget() -> int:
+    import psutil
+
+    # 20% of what is available now, but never under 100 MB.
+    return max(100 << 20, int(psutil.virtual_memory().available * 0.2))
 
 
 async def _run(app: web.Application, host: str, port: int) -> None:

@@ -1,0 +1,183 @@
+"""The prompt cache as the runner sees it: one session per request over the cache tiers.
+
+A session restores the deepest cached state for the request's tokens, says where prefill
+must pause so that checkpoints land on message starts, and stores what the request
+computed at each save point (prefill chunks, end of prompt, end of generation).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from . import kv
+from .cache.hashing import ExtraKeys, hash_chain
+from .cache.manager import CacheManager
+from .cache.matching import Match
+from .models import LoadedModel
+from .runner import Job
+from .types import CacheSource
+
+log = logging.getLogger("engine_bridge.prompt_cache")
+
+
+@dataclass(slots=True)
+class CachePolicy:
+    block_size: int = 64
+    # Snapshot models also checkpoint every this many tokens of a long prefill.
+    checkpoint_interval: int = 1024
+    # 0 keeps K/V exact; 8 or 4 quantizes stored blocks (smaller, slightly lossy).
+    quantize_bits: int = 0
+
+
+class ModelCache:
+    """The prompt cache of one loaded model, over the process-wide RAM tier."""
+
+    def __init__(self, loaded: LoadedModel, ram: CacheManager, policy: CachePolicy):
+        self.loaded = loaded
+        self.ram = ram
+        self.policy = policy
+        self.layout = kv.layout(make_prompt_cache(loaded.model))
+        self.needs_checkpoint = self.layout.has_snapshots
+
+    def extra_keys(self, tenant: str) -> ExtraKeys:
+        keys: list[tuple[str, str]] = [("model", self.loaded.fingerprint), ("tenant", tenant)]
+        if self.policy.quantize_bits:
+            # Quantized blocks must never be served to a run that expects exact ones.
+            keys.append(("kv_bits", str(self.policy.quantize_bits)))
+        return tuple(keys)
+
+    def session(self, job: Job) -> CacheSession:
+        return CacheSession(self, job)
+
+
+class CacheSession:
+    """One request's view of the cache; lives on the model's worker thread."""
+
+    def __init__(self, owner: ModelCache, job: Job):
+        self.owner = owner
+        self.job = job
+        self.bs = owner.policy.block_size
+        self.extra = owner.extra_keys(job.request.tenant)
+        self.tokens = job.prompt.tokens
+        self._chain = hash_chain(self.tokens, self.bs, self.extra)
+        self._stored_blocks = 0  # blocks [0, n) are known to be in the RAM tier
+        self._match: Match | None = None
+        self.written_tokens = 0
+
+    # -- restore ---------------------------------------------------------------------------
+
+    def restore(self) -> tuple[list[Any], int, CacheSource]:
+        owner = self.owner
+        model = owner.loaded.model
+        for _ in range(3):  # an eviction between match and acquire: look again
+            match = owner.ram.match(
+                self.tokens, self.extra, needs_checkpoint=owner.needs_checkpoint
+            )
+            if match.length == 0 or owner.ram.acquire(match):
+                break
+        else:
+            match = None
+        if match is None or match.length == 0:
+            self._log_divergence(0)
+            return make_prompt_cache(model), 0, "none"
+        self._match = match
+        try:
+            ckpt = match.checkpoint.payload if match.checkpoint is not None else None
+            cache = kv.restore(model, [b.payload for b in match.blocks], match.length, ckpt)
+        finally:
+            owner.ram.release(match)
+        self._stored_blocks = match.length // self.bs
+        self._log_divergence(match.length)
+        return cache, match.length, "ram"
+
+    def _log_divergence(self, restored: int) -> None:
+        """Say once where this prompt left the nearest cached sequence, when it did."""
+        lcp = self.owner.ram.match(self.tokens, self.extra, needs_checkpoint=False).length
+        if lcp == 0 or lcp >= len(self.tokens) - 1:
+            return
+        prompt = self.job.prompt
+        tok = self.owner.loaded.tokenizer
+        before = tok.decode(self.tokens[max(0, lcp - 12) : lcp])
+        after = tok.decode(self.tokens[lcp : lcp + 12])
+        log.info(
+            "prompt diverges from the cache at token %d of %d (message %s): %r | %r; restored %d",
+            lcp,
+            len(self.tokens),
+            prompt.message_at(lcp),
+            before,
+            after,
+            restored,
+        )
+
+    # -- save points -----------------------------------------------------------------------
+
+    def stop_points(self) -> list[int]:
+        if not self.owner.needs_checkpoint:
+            return []
+        interval = self.owner.policy.checkpoint_interval
+        points = set(self.job.prompt.message_starts)
+        points.update(range(interval, len(self.tokens), interval))
+        return sorted(points)
+
+    def save(self, cache: list[Any], tokens: Sequence[int], position: int, reason: str) -> None:
+        """Store the blocks completed up to `position`, and a checkpoint where one is due."""
+        tokens = list(tokens)
+        if len(tokens) > len(self.tokens):
+            self.tokens = tokens
+            self._chain = hash_chain(tokens, self.bs, self.extra)
+        self._store_blocks(cache, tokens, position)
+        ckpt_reason = self._checkpoint_reason(position, reason)
+        if ckpt_reason is not None:
+            payload = kv.extract_checkpoint(cache, position, self.bs)
+            self.owner.ram.insert_checkpoint(tokens[:position], self.extra, payload, ckpt_reason)
+
+    def _store_blocks(self, cache: list[Any], tokens: list[int], position: int) -> None:
+        full = position // self.bs
+        if full <= self._stored_blocks:
+            return
+        ram = self.owner.ram
+        missing = [i for i in range(self._stored_blocks, full) if not ram.has_block(self._chain[i])]
+        payloads: dict[int, Any] = {}
+        for lo, hi in _runs(missing):
+            for j, b in enumerate(kv.extract_blocks(cache, lo, hi, self.bs)):
+                payloads[lo + j] = self._maybe_quantize(b)
+        if payloads:
+            ram.insert_blocks(tokens[: full * self.bs], self.extra, payloads)
+            self.written_tokens += len(payloads) * self.bs
+        self._stored_blocks = full
+
+    def _maybe_quantize(self, block: kv.BlockPayload) -> kv.BlockPayload:
+        bits = self.owner.policy.quantize_bits
+        return kv.quantize_block(block, bits=bits) if bits else block
+
+    def _checkpoint_reason(self, position: int, reason: str) -> str | None:
+        if reason == "prefill":
+            if not self.owner.needs_checkpoint:
+                return None
+            if position in self.job.prompt.message_starts:
+                return "boundary"
+            if position % self.owner.policy.checkpoint_interval == 0:
+                return "periodic"
+            return None
+        if position % self.bs == 0 and not self.owner.needs_checkpoint:
+            return None  # the blocks already hold everything a paged model needs
+        return reason  # prompt_end / generation_end
+
+    def close(self) -> None:
+        self._match = None
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted indices as half-open runs of consecutive values: [1,2,3,7] → [(1,4), (7,8)]."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
