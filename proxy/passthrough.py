@@ -148,6 +148,8 @@ async def forward(request: web.Request, body: bytes | None = None) -> web.Stream
         error = {"message": message, "type": "not_found", "code": 404}
         return web.json_response({"error": error}, status=404)
     session = request.config_dict[UPSTREAM_SESSION]
+    if _is_websocket(request):
+        return await _forward_websocket(request, config, session)
     if body is None and request.body_exists:
         body = await request.read()
     headers = _filtered(request.headers, HOP_BY_HOP | _REQUEST_ONLY_DROP)
@@ -196,6 +198,85 @@ async def forward(request: web.Request, body: bytes | None = None) -> web.Stream
             upstream.release()
         else:
             upstream.close()
+
+
+def _is_websocket(request: web.Request) -> bool:
+    connection = {t.strip().lower() for t in request.headers.get("Connection", "").split(",")}
+    return request.headers.get("Upgrade", "").lower() == "websocket" and "upgrade" in connection
+
+
+# Each hop negotiates its own handshake; only the subprotocol is carried across.
+_WS_HANDSHAKE = frozenset(
+    {
+        "sec-websocket-key",
+        "sec-websocket-version",
+        "sec-websocket-extensions",
+        "sec-websocket-protocol",
+    }
+)
+# Codes an endpoint may send in a close frame (RFC 6455 §7.4); 1005/1006 are only observed.
+_WS_SENDABLE = frozenset({1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 1011}) | set(
+    range(3000, 5000)
+)
+
+
+async def _forward_websocket(
+    request: web.Request, config: UpstreamConfig, session: aiohttp.ClientSession
+) -> web.StreamResponse:
+    """Tunnel a WebSocket (LM Studio's own SDKs talk to it this way) message by message."""
+    protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+    headers = _filtered(request.headers, HOP_BY_HOP | _REQUEST_ONLY_DROP | _WS_HANDSHAKE)
+    try:
+        upstream = await session.ws_connect(
+            upstream_url(config, request),
+            headers=headers,
+            protocols=[p for p in protocols if p],
+            max_msg_size=0,  # the upstream's limits apply, not a second, smaller one here
+        )
+    except aiohttp.WSServerHandshakeError as exc:
+        message = f"upstream {config.url} refused the WebSocket upgrade: {exc.status} {exc.message}"
+        error = {"message": message, "type": "upstream_error", "code": exc.status}
+        return web.json_response({"error": error}, status=exc.status if exc.status >= 400 else 502)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.warning("upstream %s unreachable for WebSocket %s: %r", config.url, request.path, exc)
+        return unavailable_response(config.url, _reason(exc))
+
+    client = web.WebSocketResponse(
+        protocols=[upstream.protocol] if upstream.protocol else (), max_msg_size=0
+    )
+    try:
+        await client.prepare(request)
+        pumps = [
+            asyncio.ensure_future(_pump(client, upstream)),
+            asyncio.ensure_future(_pump(upstream, client)),
+        ]
+        try:
+            done, _ = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+        # Whoever closed first, the other side is closed with the same code; a side that
+        # vanished without a close frame is "going away" (client) or "internal error".
+        closer, other = (client, upstream) if pumps[0] in done else (upstream, client)
+        code = closer.close_code
+        if code not in _WS_SENDABLE:
+            code = 1001 if closer is client else 1011
+        await other.close(code=code)
+    finally:
+        await upstream.close()
+    return client
+
+
+_WebSocket = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
+
+
+async def _pump(source: _WebSocket, sink: _WebSocket) -> None:
+    """Copy messages until ``source`` closes; pings and pongs stay on their own hop."""
+    async for msg in source:
+        if msg.type == aiohttp.WSMsgType.TEXT:
+            await sink.send_str(msg.data)
+        elif msg.type == aiohttp.WSMsgType.BINARY:
+            await sink.send_bytes(msg.data)
 
 
 async def upstream_models(app: web.Application) -> UpstreamModels:
