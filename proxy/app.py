@@ -13,8 +13,17 @@ from engine_bridge.engine import Engine
 from engine_bridge.logctx import request_id
 
 from . import anthropic_api, openai_api
+from .config import UpstreamConfig
 from .errors import ApiError, Dialect, error_response
 from .fields import parse_json_object, read_body
+from .passthrough import (
+    LOCAL_OWNER,
+    UPSTREAM_CONFIG,
+    forward,
+    merge_model_lists,
+    setup_passthrough,
+    upstream_models,
+)
 from .state import ENGINE, REQUEST_ID, SETTINGS, ProxySettings
 
 log = logging.getLogger("proxy.app")
@@ -68,22 +77,36 @@ def json_route(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResp
 
     async def handler(request: web.Request) -> web.StreamResponse:
         settings = request.app[SETTINGS]
-        body = parse_json_object(await read_body(request, settings.max_body_bytes))
+        raw = await read_body(request, settings.max_body_bytes)
+        body = parse_json_object(raw)
         model = body.get("model")
         engine = request.app[ENGINE]
         if isinstance(model, str) and model and not engine.has_model(model):
-            return await unknown_model(request, body, model)
+            return await unknown_model(request, raw, model)
         return await route(request, body)
 
     return handler
 
 
-async def unknown_model(request: web.Request, body: dict, model: str) -> web.StreamResponse:
+async def unknown_model(request: web.Request, body: bytes, model: str) -> web.StreamResponse:
+    """A model only LM Studio has goes there; one nobody has is a 404 saying where we looked."""
     engine = request.app[ENGINE]
     local = ", ".join(engine.model_ids) or "none"
+    config = request.app[UPSTREAM_CONFIG]
+    if not config.enabled:
+        where = "the upstream is disabled"
+    else:
+        upstream = await upstream_models(request.app)
+        if upstream.reachable and model in upstream.ids:
+            return await forward(request, body)
+        where = (
+            f"not listed by the upstream at {config.url}"
+            if upstream.reachable
+            else f"the upstream at {config.url} was unreachable ({upstream.error})"
+        )
     raise ApiError(
         404,
-        f"model {model!r} not found: not served locally (local models: {local})",
+        f"model {model!r} not found: not served locally (local models: {local}), and {where}",
         param="model",
         code="model_not_found",
     )
@@ -101,26 +124,35 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """Local models first, then the upstream's, de-duplicated and marked by owner."""
     engine = request.app[ENGINE]
-    data = [
-        {"id": m, "object": "model", "created": 0, "owned_by": "mlx-prompt-cache"}
+    local = [
+        {"id": m, "object": "model", "created": 0, "owned_by": LOCAL_OWNER}
         for m in engine.model_ids
     ]
-    return web.json_response({"object": "list", "data": data})
+    upstream = []
+    if request.app[UPSTREAM_CONFIG].enabled:
+        upstream = (await upstream_models(request.app)).raw
+    return web.json_response({"object": "list", "data": merge_model_lists(local, upstream)})
 
 
 async def cache_stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[ENGINE].stats())
 
 
-async def not_found(request: web.Request) -> web.Response:
-    raise ApiError(404, f"no route for {request.method} {request.path}", code="not_found")
+async def passthrough(request: web.Request) -> web.StreamResponse:
+    if not request.app[UPSTREAM_CONFIG].enabled:
+        raise ApiError(404, f"no route for {request.method} {request.path} (upstream disabled)")
+    return await forward(request)
 
 
-def create_app(engine: Engine, settings: ProxySettings) -> web.Application:
+def create_app(
+    engine: Engine, settings: ProxySettings, upstream: UpstreamConfig | None = None
+) -> web.Application:
     app = web.Application(middlewares=[request_context], client_max_size=settings.max_body_bytes)
     app[ENGINE] = engine
     app[SETTINGS] = settings
+    setup_passthrough(app, upstream or UpstreamConfig())
 
     async def lifecycle(app: web.Application):
         yield
@@ -134,5 +166,6 @@ def create_app(engine: Engine, settings: ProxySettings) -> web.Application:
     app.router.add_post("/v1/completions", json_route(openai_api.completions))
     app.router.add_post("/v1/messages", json_route(anthropic_api.messages))
     app.router.add_post("/v1/messages/count_tokens", json_route(anthropic_api.count_tokens))
-    app.router.add_route("*", "/{tail:.*}", not_found)
+    # Everything else is LM Studio's: embeddings, /v1/responses, /api/v0, /api/v1, ...
+    app.router.add_route("*", "/{tail:.*}", passthrough)
     return app

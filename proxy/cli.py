@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -41,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-cache", action="store_true", help="disable the prompt cache")
     serve.add_argument("--log-level", help="debug, info, warning, error")
     serve.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
+    serve.add_argument("--ram-budget", help='RAM tier budget: "20%%" of available or a size like "8GB"')
+    serve.add_argument(
+        "--print-config", action="store_true", help="print the effective config as TOML and exit"
+    )
     return parser
 
 
@@ -51,39 +57,49 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Flags as dotted config keys; None means the flag was not given."""
+    return {
+        "server.host": args.host,
+        "server.port": args.port,
+        "server.max_body_bytes": args.max_body_bytes,
+        "server.log_level": args.log_level,
+        "models.serve": args.models,
+        "cache.ssd.dir": str(args.cache_dir) if args.cache_dir else None,
+        "cache.ram.budget": args.ram_budget,
+        "upstream.url": args.upstream,
+        "cache.enabled": False if args.no_cache else None,
+    }
+
+
 def serve(args: argparse.Namespace) -> int:
-    from engine_bridge.engine import Engine, EngineSettings
+    from .config import ConfigError, config_to_toml, load_config
+
+    try:
+        config = load_config(args.config, os.environ, _overrides(args))
+    except ConfigError as e:
+        print(f"mlx-prompt-cache: config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(config_to_toml(config), end="")
+        return 0
 
     from .app import create_app
     from .logs import setup_logging
-    from .state import ProxySettings
+    from .wiring import engine_settings, proxy_settings
 
-    setup_logging(args.log_level or "info")
-    cache_dir = (args.cache_dir or Path("~/.cache/mlx-prompt-cache")).expanduser()
-    engine = Engine(
-        EngineSettings(
-            cache_dir=cache_dir,
-            model_specs=args.models or [],
-            lmstudio_dirs=[Path("~/.lmstudio/models"), Path("~/.cache/lm-studio/models")],
-            cache_enabled=not args.no_cache,
-            ram_budget_bytes=_default_ram_budget(),
-        )
-    )
-    settings = ProxySettings(
-        cache_enabled=not args.no_cache,
-        upstream_url=args.upstream or "http://127.0.0.1:1234",
-        max_body_bytes=args.max_body_bytes or 32 << 20,
-    )
-    app = create_app(engine, settings)
-    asyncio.run(_run(app, args.host or "127.0.0.1", args.port or 1235))
+    setup_logging(config.server.log_level, config.server.log_json)
+    from engine_bridge.engine import Engine
+    from engine_bridge.types import EngineError
+
+    try:
+        engine = Engine(engine_settings(config))
+    except EngineError as e:
+        print(f"mlx-prompt-cache: {e.message}", file=sys.stderr)
+        return 2
+    app = create_app(engine, proxy_settings(config), config.upstream)
+    asyncio.run(_run(app, config.server.host, config.server.port))
     return 0
-
-
-def _default_ram_budget() -> int:
-    import psutil
-
-    # 20% of what is available now, but never under 100 MB.
-    return max(100 << 20, int(psutil.virtual_memory().available * 0.2))
 
 
 async def _run(app: web.Application, host: str, port: int) -> None:

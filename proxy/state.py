@@ -19,8 +19,6 @@ class ProxySettings:
     tenant_header: str = "x-tenant"
     tenant_api_keys: dict[str, str] = field(default_factory=dict)
     default_tenant: str = "local"
-    upstream_url: str = "http://127.0.0.1:1234"
-    upstream_enabled: bool = True
 
 
 ENGINE = web.AppKey("engine", Engine)

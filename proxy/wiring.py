@@ -1,0 +1,51 @@
+"""Turn the typed config into the settings each layer takes (engine, HTTP app)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import psutil
+
+from engine_bridge.engine import EngineSettings
+from engine_bridge.prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
+from engine_bridge.prompt_cache import CachePolicy
+
+from .config import Config, resolve_ram_budget
+from .state import ProxySettings
+
+
+def normalization_rules(config: Config) -> list[NormalizationRule]:
+    rules = [CLAUDE_CODE_BILLING_HEADER] if config.normalization.claude_code_billing_header else []
+    for r in config.normalization.rules:
+        rules.append(
+            NormalizationRule(r.name, re.compile(r.pattern, re.MULTILINE), r.replacement, tuple(r.roles))
+        )
+    return rules
+
+
+def engine_settings(config: Config) -> EngineSettings:
+    cache = config.cache
+    return EngineSettings(
+        cache_dir=cache.ssd.path,
+        model_specs=list(config.models.serve),
+        lmstudio_dirs=[Path(d) for d in config.models.lmstudio_dirs],
+        cache_enabled=cache.enabled,
+        ram_budget_bytes=resolve_ram_budget(cache.ram.budget, psutil.virtual_memory().available),
+        cache_policy=CachePolicy(
+            block_size=cache.block_size,
+            checkpoint_interval=cache.ram.checkpoint_interval,
+            quantize_bits=cache.ram.quantize_bits,
+        ),
+        normalization=normalization_rules(config),
+    )
+
+
+def proxy_settings(config: Config) -> ProxySettings:
+    return ProxySettings(
+        max_body_bytes=config.server.max_body_bytes,
+        cache_enabled=config.cache.enabled,
+        tenant_header=config.tenants.header,
+        tenant_api_keys=dict(config.tenants.api_keys),
+        default_tenant=config.tenants.default,
+    )
