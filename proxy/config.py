@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import re
 import tomllib
 import types
@@ -493,7 +494,7 @@ def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     for part in path[:-1]:
         node = tree.setdefault(part, {})
         if not isinstance(node, dict):
-            node = tree[part] = {}
+            return  # the file has a non-table here; building reports that with its line
         tree = node
     if value is None:
         tree.pop(path[-1], None)  # None clears an optional key back to its default
@@ -528,6 +529,8 @@ def _apply_overrides(tree: dict[str, Any], overrides: Mapping[str, Any], origins
         if key not in leaves:
             raise ConfigError(f"unknown config key {key!r} in overrides")
         leaf = leaves[key]
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)  # argparse type=Path flags such as --cache-dir
         if isinstance(value, str) and str not in _union_args(leaf.tp):
             try:
                 value = _parse_text(value, leaf.tp)

@@ -154,6 +154,11 @@ def test_flags_override_env_and_file(tmp_path):
     assert c.upstream.url == "http://127.0.0.1:1234"
 
 
+def test_override_paths_become_strings():
+    c = load_config(None, {}, {"cache.ssd.dir": Path("/tmp/cache-dir")})
+    assert c.cache.ssd.dir == "/tmp/cache-dir"
+
+
 def test_override_strings_are_parsed_to_the_field_type():
     c = load_config(None, {}, {"server.port": "4001", "server.log_json": "true"})
     assert (c.server.port, c.server.log_json) == (4001, True)
@@ -548,3 +553,15 @@ def test_parse_duration(spec, expected):
 def test_parse_duration_rejects(spec):
     with pytest.raises(ValueError):
         parse_duration(spec)
+
+
+def test_env_under_a_non_table_in_the_file_still_reports_the_file_error(tmp_path):
+    path = write(tmp_path, "[server]\nport = 1\n\ncache = 5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {"MLX_PROMPT_CACHE_CACHE_SSD_DIR": "/x"}, {})
+    assert "config key server.cache: unknown key" in str(err.value)
+    path = write(tmp_path, "cache = 5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {"MLX_PROMPT_CACHE_CACHE_SSD_DIR": "/x"}, {})
+    assert "config key cache: expected a table, got integer 5" in str(err.value)
+    assert f"{path} line 1" in str(err.value)
