@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import kv, models
+from . import discovery, kv, models
 from .cache.manager import CacheManager
 from .demo import DEMO_MODEL_IDS
 from .prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule, render_chat, render_completion
@@ -25,6 +25,7 @@ class EngineSettings:
     model_specs: list[str] = field(default_factory=list)
     lmstudio_dirs: list[Path] = field(default_factory=list)
     cache_enabled: bool = True
+    serve_all_mlx: bool = False
     ram_budget_bytes: int = 1 << 30
     cache_policy: CachePolicy = field(default_factory=CachePolicy)
     normalization: list[NormalizationRule] = field(
@@ -98,8 +99,12 @@ class Engine:
         self.ram = CacheManager(
             settings.ram_budget_bytes, block_size=settings.cache_policy.block_size
         )
-        specs = settings.model_specs or list(DEMO_MODEL_IDS)
-        for spec in specs:
+        specs = list(settings.model_specs)
+        if settings.serve_all_mlx:
+            specs += [
+                str(m.path) for m in discovery.scan(settings.lmstudio_dirs) if m.format == "mlx"
+            ]
+        for spec in specs or DEMO_MODEL_IDS:
             ref = models.resolve(spec, settings.cache_dir, settings.lmstudio_dirs)
             self._entries[ref.id] = ModelEntry(ref)
 

@@ -43,10 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-cache", action="store_true", help="disable the prompt cache")
     serve.add_argument("--log-level", help="debug, info, warning, error")
     serve.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
-    serve.add_argument("--ram-budget", help='RAM tier budget: "20%%" of available or a size like "8GB"')
+    serve.add_argument(
+        "--ram-budget", help='RAM tier budget: "20%%" of available or a size like "8GB"'
+    )
     serve.add_argument(
         "--print-config", action="store_true", help="print the effective config as TOML and exit"
     )
+    models = sub.add_parser("models", help="list models found in LM Studio's folders")
+    models.add_argument("--config", type=Path, help="TOML config file")
+    models.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     return parser
 
 
@@ -54,7 +59,62 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "models":
+        return list_models(args)
     return 2
+
+
+def _load(args: argparse.Namespace, overrides: dict[str, Any] | None = None):
+    from .config import ConfigError, load_config
+
+    try:
+        return load_config(args.config, os.environ, overrides or {})
+    except ConfigError as e:
+        print(f"mlx-prompt-cache: config error: {e}", file=sys.stderr)
+        return None
+
+
+def list_models(args: argparse.Namespace) -> int:
+    """What LM Studio's folders hold, and which of it this proxy serves in-process."""
+    import json
+
+    from engine_bridge.discovery import scan
+
+    config = _load(args)
+    if config is None:
+        return 2
+    roots = [Path(d) for d in config.models.lmstudio_dirs]
+    served = set(config.models.serve)
+    rows = []
+    for m in scan(roots):
+        local = m.format == "mlx" and (
+            config.models.serve_all_mlx or m.id in served or str(m.path) in served
+        )
+        where = "local" if local else ("upstream" if m.format == "gguf" else "not served")
+        rows.append(
+            {
+                "id": m.id,
+                "format": m.format,
+                "architecture": m.architecture,
+                "cache": m.cache_kind,
+                "served": where,
+                "size_gb": round(m.size_bytes / 1e9, 2),
+                "path": str(m.path),
+            }
+        )
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    if not rows:
+        print("no models found under " + ", ".join(str(r.expanduser()) for r in roots))
+        return 0
+    cols = ("id", "format", "architecture", "cache", "served", "size_gb")
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    print("  ".join(c.upper().ljust(widths[c]) for c in cols))
+    for r in rows:
+        print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
+    return 0
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -73,12 +133,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from .config import ConfigError, config_to_toml, load_config
+    from .config import config_to_toml
 
-    try:
-        config = load_config(args.config, os.environ, _overrides(args))
-    except ConfigError as e:
-        print(f"mlx-prompt-cache: config error: {e}", file=sys.stderr)
+    config = _load(args, _overrides(args))
+    if config is None:
         return 2
     if args.print_config:
         print(config_to_toml(config), end="")

@@ -19,7 +19,9 @@ def normalization_rules(config: Config) -> list[NormalizationRule]:
     rules = [CLAUDE_CODE_BILLING_HEADER] if config.normalization.claude_code_billing_header else []
     for r in config.normalization.rules:
         rules.append(
-            NormalizationRule(r.name, re.compile(r.pattern, re.MULTILINE), r.replacement, tuple(r.roles))
+            NormalizationRule(
+                r.name, re.compile(r.pattern, re.MULTILINE), r.replacement, tuple(r.roles)
+            )
         )
     return rules
 
@@ -30,6 +32,7 @@ def engine_settings(config: Config) -> EngineSettings:
         cache_dir=cache.ssd.path,
         model_specs=list(config.models.serve),
         lmstudio_dirs=[Path(d) for d in config.models.lmstudio_dirs],
+        serve_all_mlx=config.models.serve_all_mlx,
         cache_enabled=cache.enabled,
         ram_budget_bytes=resolve_ram_budget(cache.ram.budget, psutil.virtual_memory().available),
         cache_policy=CachePolicy(
