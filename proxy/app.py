@@ -12,7 +12,7 @@ from aiohttp import web
 from engine_bridge.engine import Engine
 from engine_bridge.logctx import request_id
 
-from . import anthropic_api, openai_api
+from . import anthropic_api, lmstudio_api, openai_api
 from .config import UpstreamConfig
 from .errors import ApiError, Dialect, error_response
 from .fields import parse_json_object, read_body
@@ -166,6 +166,7 @@ def create_app(
     app.router.add_post("/v1/completions", json_route(openai_api.completions))
     app.router.add_post("/v1/messages", json_route(anthropic_api.messages))
     app.router.add_post("/v1/messages/count_tokens", json_route(anthropic_api.count_tokens))
+    lmstudio_api.add_routes(app)
     # Everything else is LM Studio's: embeddings, /v1/responses, /api/v0, /api/v1, ...
     app.router.add_route("*", "/{tail:.*}", passthrough)
     return app

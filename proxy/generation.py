@@ -33,6 +33,7 @@ class Generation:
     _events: AsyncIterator
     started: float
     use_cache: bool = True
+    context_length: int = 0
     result: GenerationResult | None = None
 
     async def parts(self) -> AsyncIterator[Part]:
@@ -95,4 +96,11 @@ async def start(
     assert isinstance(first, PromptInfo), f"runner must report the prompt first, got {first!r}"
     in_reasoning = job.prompt.text.rstrip().endswith("<think>")
     parser = OutputParser(in_reasoning=in_reasoning, parse_tools=bool(req.tools), raw=raw)
-    return Generation(first, parser, events, time.perf_counter(), use_cache=req.use_cache)
+    return Generation(
+        first,
+        parser,
+        events,
+        time.perf_counter(),
+        use_cache=req.use_cache,
+        context_length=runner.loaded.context_length,
+    )

@@ -192,6 +192,34 @@ def usage(gen: Generation) -> dict[str, Any]:
     }
 
 
+_LMSTUDIO_STOP = {
+    "stop": "eosFound",
+    "length": "maxPredictedTokensReached",
+    "stop_string": "stopStringFound",
+    "cancelled": "userStopped",
+}
+
+
+def lmstudio_extras(gen: Generation) -> dict[str, Any]:
+    """LM Studio's /api/v0 `stats` object, plus what the prompt cache did."""
+    r = gen.result
+    if r is None:
+        return {}
+    decode_s = max(r.generation_s - r.ttft_s, 1e-9)
+    return {
+        "stats": {
+            "tokens_per_second": round(max(r.completion_tokens - 1, 0) / decode_s, 3),
+            "time_to_first_token": round(r.ttft_s, 4),
+            "generation_time": round(r.generation_s, 4),
+            "stop_reason": _LMSTUDIO_STOP.get(r.finish_reason, r.finish_reason),
+            "cached_prompt_tokens": gen.info.cached_tokens,
+            "prompt_cache_source": gen.info.source,
+        },
+        "model_info": {"format": "mlx", "context_length": gen.context_length},
+        "runtime": {"name": "mlx-prompt-cache", "type": "mlx-lm"},
+    }
+
+
 def finish_reason(gen: Generation, parts: list[Part]) -> str:
     if any(p.kind == "tool_call" for p in parts):
         return "tool_calls"
@@ -211,7 +239,9 @@ def tool_call_json(p: Part, index: int | None = None) -> dict[str, Any]:
     return call
 
 
-async def chat_completions(request: web.Request, body: dict) -> web.StreamResponse:
+async def chat_completions(
+    request: web.Request, body: dict, lmstudio: bool = False
+) -> web.StreamResponse:
     req = chat_request(body, request)
     stream = f.get_bool(body, "stream")
     options = f.get_dict(body, "stream_options", {}) or {}
@@ -249,6 +279,7 @@ async def chat_completions(request: web.Request, body: dict) -> web.StreamRespon
                     }
                 ],
                 "usage": usage(gen),
+                **(lmstudio_extras(gen) if lmstudio else {}),
             },
             headers=gen.headers,
             dumps=lambda o: orjson.dumps(o).decode(),
@@ -278,7 +309,10 @@ async def chat_completions(request: web.Request, body: dict) -> web.StreamRespon
             else:
                 index = sum(1 for s in seen if s.kind == "tool_call") - 1
                 await sse.data(chunk({"tool_calls": [tool_call_json(p, index)]}))
-        await sse.data(chunk({}, finish_reason(gen, seen)))
+        last = chunk({}, finish_reason(gen, seen))
+        if lmstudio:
+            last.update(lmstudio_extras(gen))
+        await sse.data(last)
         if options.get("include_usage"):
             final = chunk({})
             final["choices"] = []
@@ -290,7 +324,9 @@ async def chat_completions(request: web.Request, body: dict) -> web.StreamRespon
     return sse.response
 
 
-async def completions(request: web.Request, body: dict) -> web.StreamResponse:
+async def completions(
+    request: web.Request, body: dict, lmstudio: bool = False
+) -> web.StreamResponse:
     req = completion_request(body, request)
     stream = f.get_bool(body, "stream")
     options = f.get_dict(body, "stream_options", {}) or {}
@@ -316,6 +352,7 @@ async def completions(request: web.Request, body: dict) -> web.StreamResponse:
                     {"index": 0, "text": text, "finish_reason": finish(), "logprobs": None}
                 ],
                 "usage": usage(gen),
+                **(lmstudio_extras(gen) if lmstudio else {}),
             },
             headers=gen.headers,
         )
@@ -334,7 +371,10 @@ async def completions(request: web.Request, body: dict) -> web.StreamResponse:
     try:
         async for p in gen.parts():
             await sse.data(chunk(p.text))
-        await sse.data(chunk("", finish()))
+        last = chunk("", finish())
+        if lmstudio:
+            last.update(lmstudio_extras(gen))
+        await sse.data(last)
         if options.get("include_usage"):
             final = chunk("")
             final["choices"] = []

@@ -97,7 +97,7 @@ def test_upstream_down_gives_502_and_local_models_keep_working(lm_studio_pair):
     proxy, upstream_proc, upstream_url = lm_studio_pair
     upstream_proc.terminate()
     upstream_proc.wait(10)
-    r = httpx.get(proxy.url + "/api/v0/models", timeout=30)
+    r = httpx.post(proxy.url + "/v1/embeddings", json={"model": "x", "input": "y"}, timeout=30)
     assert r.status_code == 502
     assert upstream_url in r.json()["error"]["message"]
     time.sleep(2.1)  # the upstream model list is cached for ~2 s
@@ -120,3 +120,37 @@ def test_upstream_down_gives_502_and_local_models_keep_working(lm_studio_pair):
     assert ok.status_code == 200
     models = httpx.get(proxy.url + "/v1/models", timeout=30).json()["data"]
     assert [m["id"] for m in models] == ["demo-llama"]
+
+
+def test_lmstudio_native_routes_serve_local_models_with_stats(lm_studio_pair):
+    proxy, _, upstream_url = lm_studio_pair
+    body = {
+        "model": "demo-llama",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+    r = httpx.post(proxy.url + "/api/v0/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    stats = r.json()["stats"]
+    assert stats["stop_reason"] == "maxPredictedTokensReached"
+    assert (
+        stats["time_to_first_token"] > 0
+        and stats["generation_time"] >= stats["time_to_first_token"]
+    )
+    assert stats["tokens_per_second"] > 0
+    assert stats["prompt_cache_source"] in ("none", "ram", "ssd")
+    with httpx.stream(
+        "POST", proxy.url + "/api/v0/chat/completions", json={**body, "stream": True}, timeout=60
+    ) as s:
+        chunks = [line for line in s.iter_lines() if line.startswith("data: {")]
+    assert '"stats"' in chunks[-1]
+    r = httpx.post(
+        proxy.url + "/api/v0/completions",
+        json={"model": "demo-llama", "prompt": "The cache", "max_tokens": 4},
+        timeout=60,
+    )
+    assert r.json()["stats"]["stop_reason"] == "maxPredictedTokensReached"
+    models = httpx.get(proxy.url + "/api/v0/models", timeout=30).json()["data"]
+    local = [m for m in models if m["id"] == "demo-llama"]
+    assert local and local[0]["compatibility_type"] == "mlx" and local[0]["state"] == "loaded"
