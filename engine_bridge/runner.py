@@ -138,7 +138,9 @@ class Runner:
                 cache, position, source = session.restore()
             else:
                 cache, position, source = make_prompt_cache(model), 0, "none"
-            yield PromptInfo(len(tokens), position, source)
+            # `position` advances through the prefill; the hit is where it started.
+            cached = position
+            yield PromptInfo(len(tokens), cached, source)
 
             # Prefill all but the last prompt token; the last one yields the first logits.
             stops = _prefill_stops(position, len(tokens) - 1, session)
@@ -151,12 +153,12 @@ class Runner:
                 if session is not None:
                     session.save(cache, tokens, position, "prefill")
             if job.cancel.is_set():
-                yield self._result(job, tokens, [], position, source, "cancelled", start, None, "")
+                yield self._result(job, tokens, [], cached, source, "cancelled", start, None, "")
                 return
             if session is not None:
                 session.save(cache, tokens, position, "prompt_end")
 
-            yield from self._decode(job, cache, session, position, source, start)
+            yield from self._decode(job, cache, session, cached, source, start)
         finally:
             if session is not None:
                 session.close()
