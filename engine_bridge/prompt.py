@@ -28,10 +28,14 @@ class NormalizationRule:
 
 # Claude Code puts `x-anthropic-billing-header: cc_version=…; cc_entrypoint=…; …` first in
 # the system prompt, with a suffix that differs per session. Left alone, every new session
-# diverges from the cached 30k-token agent prompt at token ~15.
+# diverges from the cached 30k-token agent prompt at token ~15. The header is a system block
+# of its own, and joined blocks put the real prompt on the same line, so the rule takes
+# `key=value;` fields (the last may end the line instead), never the rest of the line.
 CLAUDE_CODE_BILLING_HEADER = NormalizationRule(
     name="claude_code_billing_header",
-    pattern=re.compile(r"^x-anthropic-billing-header:[^\n]*\n?", re.MULTILINE),
+    pattern=re.compile(
+        r"^x-anthropic-billing-header:(?:[ \t]*[\w.-]+=[^;\n]*(?:;|$))*[ \t]*\n?", re.MULTILINE
+    ),
     replacement="",
 )
 
