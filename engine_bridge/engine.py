@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import discovery, kv, models
 from .cache.manager import CacheManager
+from .cache.ssd import SSDConfig, SSDStore
 from .demo import DEMO_MODEL_IDS
 from .prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule, render_chat, render_completion
 from .prompt_cache import CachePolicy, ModelCache
 from .runner import Event, Job, Runner
+from .ssd_tier import SSDTier
 from .types import EngineError, GenerationRequest, GenerationResult
 
 log = logging.getLogger("engine_bridge.engine")
@@ -27,6 +29,13 @@ class EngineSettings:
     cache_enabled: bool = True
     serve_all_mlx: bool = False
     ram_budget_bytes: int = 1 << 30
+    ssd_enabled: bool = True
+    ssd_max_bytes: int = 10 * 1000**3
+    ssd_ttl_s: float | None = None
+    ssd_queue_size: int = 256
+    ssd_write_through: bool = True
+    # How long shutdown waits for queued SSD writes.
+    ssd_drain_s: float = 10.0
     cache_policy: CachePolicy = field(default_factory=CachePolicy)
     normalization: list[NormalizationRule] = field(
         default_factory=lambda: [CLAUDE_CODE_BILLING_HEADER]
@@ -40,6 +49,7 @@ class RequestStats:
     total: int = 0
     completed: int = 0
     cancelled: int = 0
+    bypassed: int = 0
     hits: int = 0
     misses: int = 0
     prompt_tokens: int = 0
@@ -55,9 +65,12 @@ class RequestStats:
             self.last_cancelled_completion_tokens = r.completion_tokens
         else:
             self.completed += 1
+        self.completion_tokens += r.completion_tokens
+        if not r.used_cache:
+            self.bypassed += 1
+            return
         self.prompt_tokens += r.prompt_tokens
         self.cached_tokens += r.cached_tokens
-        self.completion_tokens += r.completion_tokens
         self.by_source[r.source] = self.by_source.get(r.source, 0) + 1
         if r.cached_tokens:
             self.hits += 1
@@ -70,6 +83,7 @@ class RequestStats:
             "total": self.total,
             "completed": self.completed,
             "cancelled": self.cancelled,
+            "bypassed": self.bypassed,
             "hits": self.hits,
             "misses": self.misses,
             "prompt_tokens": self.prompt_tokens,
@@ -95,9 +109,22 @@ class Engine:
         self.settings = settings
         self._entries: dict[str, ModelEntry] = {}
         self.requests = RequestStats()
+        self.ssd: SSDTier | None = None
+        if settings.cache_enabled and settings.ssd_enabled:
+            store = SSDStore(
+                SSDConfig(
+                    root=settings.cache_dir,
+                    max_bytes=settings.ssd_max_bytes,
+                    ttl_s=settings.ssd_ttl_s,
+                    queue_size=settings.ssd_queue_size,
+                )
+            )
+            self.ssd = SSDTier(store, settings.ssd_write_through)
         # One RAM tier for every model: the budget is the machine's, not a model's.
         self.ram = CacheManager(
-            settings.ram_budget_bytes, block_size=settings.cache_policy.block_size
+            settings.ram_budget_bytes,
+            block_size=settings.cache_policy.block_size,
+            on_evict=self.ssd.on_evict if self.ssd is not None else None,
         )
         specs = list(settings.model_specs)
         if settings.serve_all_mlx:
@@ -135,7 +162,7 @@ class Engine:
         if not self.settings.cache_enabled:
             return None
         try:
-            cache = ModelCache(loaded, self.ram, self.settings.cache_policy)
+            cache = ModelCache(loaded, self.ram, self.settings.cache_policy, self.ssd)
         except kv.UnsupportedCacheError as e:
             log.warning("prompt cache off for %s: %s", loaded.id, e)
             return None
@@ -213,10 +240,19 @@ class Engine:
                 "dedupe_hits": ram.dedupe_hits,
                 "thinned_checkpoints": ram.thinned_checkpoints,
             },
+            "ssd": self._ssd_stats(),
             "models": self.model_ids,
         }
+
+    def _ssd_stats(self) -> dict | None:
+        if self.ssd is None:
+            return None
+        return asdict(self.ssd.store.stats())
 
     async def close(self) -> None:
         for entry in self._entries.values():
             if entry.runner is not None:
                 await asyncio.to_thread(entry.runner.close)
+        if self.ssd is not None:
+            # Drain queued writes (bounded), so a clean shutdown loses nothing computed.
+            await asyncio.to_thread(self.ssd.close, self.settings.ssd_drain_s)

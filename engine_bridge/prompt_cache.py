@@ -15,11 +15,13 @@ from typing import Any
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import kv
-from .cache.hashing import ExtraKeys, hash_chain
-from .cache.manager import CacheManager
+from .cache.checkpoints import REASONS
+from .cache.hashing import ExtraKeys, chain_root, checkpoint_key, hash_chain
+from .cache.manager import CacheManager, EntryKind
 from .cache.matching import Match
 from .models import LoadedModel
 from .runner import Job
+from .ssd_tier import SSDTier, Stored, scope_for
 from .types import CacheSource
 
 log = logging.getLogger("engine_bridge.prompt_cache")
@@ -37,10 +39,17 @@ class CachePolicy:
 class ModelCache:
     """The prompt cache of one loaded model, over the process-wide RAM tier."""
 
-    def __init__(self, loaded: LoadedModel, ram: CacheManager, policy: CachePolicy):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        ram: CacheManager,
+        policy: CachePolicy,
+        ssd: SSDTier | None = None,
+    ):
         self.loaded = loaded
         self.ram = ram
         self.policy = policy
+        self.ssd = ssd
         self.layout = kv.layout(make_prompt_cache(loaded.model))
         self.needs_checkpoint = self.layout.has_snapshots
 
@@ -63,6 +72,7 @@ class CacheSession:
         self.job = job
         self.bs = owner.policy.block_size
         self.extra = owner.extra_keys(job.request.tenant)
+        self.scope = scope_for(owner.loaded.fingerprint, job.request.tenant)
         self.tokens = job.prompt.tokens
         self._chain = hash_chain(self.tokens, self.bs, self.extra)
         self._stored_blocks = 0  # blocks [0, n) are known to be in the RAM tier
@@ -74,6 +84,13 @@ class CacheSession:
     def restore(self) -> tuple[list[Any], int, CacheSource]:
         owner = self.owner
         model = owner.loaded.model
+        source: CacheSource = "ram"
+        if owner.ssd is not None:
+            ram_only = owner.ram.match(
+                self.tokens, self.extra, needs_checkpoint=owner.needs_checkpoint
+            )
+            if self._promote(ram_only.length, len(ram_only.blocks)):
+                source = "ssd"
         for _ in range(3):  # an eviction between match and acquire: look again
             match = owner.ram.match(
                 self.tokens, self.extra, needs_checkpoint=owner.needs_checkpoint
@@ -87,13 +104,14 @@ class CacheSession:
             return make_prompt_cache(model), 0, "none"
         self._match = match
         try:
-            ckpt = match.checkpoint.payload if match.checkpoint is not None else None
-            cache = kv.restore(model, [b.payload for b in match.blocks], match.length, ckpt)
+            ckpt = match.checkpoint.payload.payload if match.checkpoint is not None else None
+            blocks = [b.payload.payload for b in match.blocks]
+            cache = kv.restore(model, blocks, match.length, ckpt)
         finally:
             owner.ram.release(match)
         self._stored_blocks = match.length // self.bs
         self._log_divergence(match.length)
-        return cache, match.length, "ram"
+        return cache, match.length, source
 
     def _log_divergence(self, restored: int) -> None:
         """Say once where this prompt left the nearest cached sequence, when it did."""
@@ -134,7 +152,12 @@ class CacheSession:
         ckpt_reason = self._checkpoint_reason(position, reason)
         if ckpt_reason is not None:
             payload = kv.extract_checkpoint(cache, position, self.bs)
-            self.owner.ram.insert_checkpoint(tokens[:position], self.extra, payload, ckpt_reason)
+            k = position // self.bs
+            anchor = chain_root(self.extra) if k == 0 else self._chain[k - 1]
+            key = checkpoint_key(anchor, tokens[k * self.bs : position])
+            stored = Stored(payload, self.scope, key, ckpt_reason)
+            self.owner.ram.insert_checkpoint(tokens[:position], self.extra, stored, ckpt_reason)
+            self._write_through(stored, "checkpoint", position)
 
     def _store_blocks(self, cache: list[Any], tokens: list[int], position: int) -> None:
         full = position // self.bs
@@ -145,10 +168,13 @@ class CacheSession:
         payloads: dict[int, Any] = {}
         for lo, hi in _runs(missing):
             for j, b in enumerate(kv.extract_blocks(cache, lo, hi, self.bs)):
-                payloads[lo + j] = self._maybe_quantize(b)
+                i = lo + j
+                payloads[i] = Stored(self._maybe_quantize(b), self.scope, self._chain[i], "block")
         if payloads:
             ram.insert_blocks(tokens[: full * self.bs], self.extra, payloads)
             self.written_tokens += len(payloads) * self.bs
+            for stored in payloads.values():
+                self._write_through(stored, "block", self.bs)
         self._stored_blocks = full
 
     def _maybe_quantize(self, block: kv.BlockPayload) -> kv.BlockPayload:
@@ -170,6 +196,56 @@ class CacheSession:
 
     def close(self) -> None:
         self._match = None
+
+    # -- SSD tier --------------------------------------------------------------------------
+
+    def _write_through(self, stored: Stored, kind: EntryKind, tokens: int) -> None:
+        ssd = self.owner.ssd
+        if ssd is not None and ssd.write_through:
+            ssd.write(stored, kind, tokens, "write_through")
+
+    def _promote(self, ram_length: int, ram_blocks: int) -> bool:
+        """Bring what the SSD holds past the RAM hit into RAM; True if the hit grew."""
+        ssd = self.owner.ssd
+        assert ssd is not None
+        bs, tokens = self.bs, self.tokens
+        last = len(tokens) - 1  # always leave one token to prefill
+        on_disk = ssd.present_blocks(self.scope, self._chain)
+        usable = max(on_disk, ram_blocks)
+        root = chain_root(self.extra)
+        reach = min(last, usable * bs + bs - 1)  # a checkpoint can sit inside the next block
+        if self.owner.needs_checkpoint:
+            found = ssd.find_checkpoint(
+                self.scope, root, self._chain, tokens, bs, ram_length, reach
+            )
+            if found is None:
+                return False
+        else:
+            # Paged layers restore from blocks alone; a checkpoint only adds its partial tail.
+            base = min(usable * bs, last)
+            lo = max(ram_length, base)
+            found = ssd.find_checkpoint(self.scope, root, self._chain, tokens, bs, lo, reach)
+            if found is None:
+                found = (base, None)
+        target, ckpt_key = found
+        need_blocks = target // bs if ckpt_key is not None else -(-target // bs)
+        if target <= ram_length:
+            return False
+        ram = self.owner.ram
+        for i in range(need_blocks):
+            if ram.has_block(self._chain[i]):
+                continue
+            stored = ssd.read(ram, self.scope, "block", self._chain[i])
+            if stored is None:
+                return i * bs > ram_length and not self.owner.needs_checkpoint
+            ram.insert_blocks(tokens[: (i + 1) * bs], self.extra, {i: stored})
+        if ckpt_key is not None:
+            stored = ssd.read(ram, self.scope, "checkpoint", ckpt_key)
+            if stored is None:  # the blocks alone still serve a paged model
+                return need_blocks * bs > ram_length and not self.owner.needs_checkpoint
+            reason = stored.reason if stored.reason in REASONS else "boundary"
+            ram.insert_checkpoint(tokens[:target], self.extra, stored, reason)
+        return True
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:

@@ -236,6 +236,7 @@ class Runner:
             text=text,
             ttft_s=ttft if ttft is not None else now - start,
             generation_s=now - start,
+            used_cache=job.request.use_cache and self._session_factory is not None,
         )
 
 

@@ -85,3 +85,5 @@ class GenerationResult:
     # Tokens of the prompt written to the cache by this request (cache_creation).
     cache_written_tokens: int = 0
     stop_string: str | None = None
+    # False for bypassed requests and cache-less models: they stay out of the hit ratio.
+    used_cache: bool = True
