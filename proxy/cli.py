@@ -13,6 +13,8 @@ from typing import Any
 
 from aiohttp import web
 
+from . import bench
+
 log = logging.getLogger("proxy.cli")
 
 
@@ -52,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list models found in LM Studio's folders")
     models.add_argument("--config", type=Path, help="TOML config file")
     models.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    cache = sub.add_parser("cache", help="inspect or clear the SSD cache (no server needed)")
+    cache.add_argument("action", choices=("stats", "ls", "clear"))
+    cache.add_argument("--config", type=Path, help="TOML config file")
+    cache.add_argument("--cache-dir", type=Path, help="cache directory (default from config)")
+    cache.add_argument("--model", help="clear: only this model fingerprint")
+    cache.add_argument("--json", action="store_true", help="machine-readable output")
+    bench.add_parser(sub)
     return parser
 
 
@@ -61,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "models":
         return list_models(args)
+    if args.command == "cache":
+        return cache_command(args)
+    if args.command == "bench":
+        return bench.run(args)
     return 2
 
 
@@ -72,6 +85,63 @@ def _load(args: argparse.Namespace, overrides: dict[str, Any] | None = None):
     except ConfigError as e:
         print(f"mlx-prompt-cache: config error: {e}", file=sys.stderr)
         return None
+
+
+def cache_command(args: argparse.Namespace) -> int:
+    """`cache stats|ls|clear` on the cache dir, offline: reads the SSD index directly."""
+    import json
+
+    from engine_bridge.cache.ssd_offline import offline_clear, offline_ls, offline_stats
+
+    overrides = {"cache.ssd.dir": str(args.cache_dir) if args.cache_dir else None}
+    config = _load(args, overrides)
+    if config is None:
+        return 2
+    root = config.cache.ssd.path
+    if args.action == "stats":
+        stats = offline_stats(root)
+        if args.json:
+            print(json.dumps(stats))
+        else:
+            for key, value in stats.items():
+                print(f"{key:18} {_human(key, value)}")
+    elif args.action == "ls":
+        groups = offline_ls(root)
+        if args.json:
+            for g in groups:
+                print(json.dumps(g))
+        elif not groups:
+            print(f"no cache entries under {root}")
+        else:
+            print(f"{'MODEL':34} {'TENANT':26} {'BLOCKS':>7} {'CKPTS':>6} {'SIZE':>10}  LAST USED")
+            for g in groups:
+                print(
+                    f"{g['model']:34} {g['tenant']:26} {g['blocks']:>7} {g['checkpoints']:>6} "
+                    f"{_human('bytes', g['bytes']):>10}  {_human('last_access', g['last_access'])}"
+                )
+    else:
+        removed = offline_clear(root, args.model)
+        print(
+            json.dumps({"removed": removed})
+            if args.json
+            else f"removed {removed} entries from {root}"
+        )
+    return 0
+
+
+def _human(key: str, value: Any) -> str:
+    import time
+
+    if value is None:
+        return "-"
+    if "bytes" in key and isinstance(value, int):
+        for unit in ("B", "KB", "MB", "GB", "TB"):
+            if value < 1000 or unit == "TB":
+                return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+            value /= 1000
+    if key == "last_access":
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(value)))
+    return str(value)
 
 
 def list_models(args: argparse.Namespace) -> int:
