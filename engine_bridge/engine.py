@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ class EngineSettings:
     cache_enabled: bool = True
     serve_all_mlx: bool = False
     ram_budget_bytes: int = 1 << 30
+    idle_unload_s: float | None = None
     ssd_enabled: bool = True
     ssd_max_bytes: int = 10 * 1000**3
     ssd_ttl_s: float | None = None
@@ -156,7 +158,33 @@ class Engine:
                 entry.runner = Runner(
                     loaded, self._session_factory(loaded), on_result=self.requests.record
                 )
+            # Marks the model busy for the idle janitor before any await can intervene.
+            entry.runner.last_used = time.monotonic()
         return entry.runner
+
+    async def unload_idle(self, idle_s: float) -> list[str]:
+        """Unload models unused for `idle_s` seconds; their cache stays on SSD (and in RAM)."""
+        unloaded = []
+        now = time.monotonic()
+        for model_id, entry in self._entries.items():
+            async with entry.loading:
+                runner = entry.runner
+                if runner is None or runner.queued or now - runner.last_used < idle_s:
+                    continue
+                entry.runner = None
+            await asyncio.to_thread(runner.close)
+            log.info("unloaded %s after %.0fs idle", model_id, now - runner.last_used)
+            unloaded.append(model_id)
+        return unloaded
+
+    async def janitor(self) -> None:
+        """Background upkeep while serving: idle unloading, when configured."""
+        idle = self.settings.idle_unload_s
+        if not idle:
+            return
+        while True:
+            await asyncio.sleep(max(1.0, min(30.0, idle / 4)))
+            await self.unload_idle(idle)
 
     def _session_factory(self, loaded: models.LoadedModel):
         if not self.settings.cache_enabled:

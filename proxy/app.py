@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -155,7 +156,9 @@ def create_app(
     setup_passthrough(app, upstream or UpstreamConfig())
 
     async def lifecycle(app: web.Application):
+        janitor = asyncio.create_task(engine.janitor())
         yield
+        janitor.cancel()
         await engine.close()
 
     app.cleanup_ctx.append(lifecycle)

@@ -33,6 +33,7 @@ def engine_settings(config: Config) -> EngineSettings:
         model_specs=list(config.models.serve),
         lmstudio_dirs=[Path(d) for d in config.models.lmstudio_dirs],
         serve_all_mlx=config.models.serve_all_mlx,
+        idle_unload_s=config.models.idle_unload_s,
         cache_enabled=cache.enabled,
         ram_budget_bytes=resolve_ram_budget(cache.ram.budget, psutil.virtual_memory().available),
         cache_policy=CachePolicy(

@@ -1,0 +1,51 @@
+"""An idle model is unloaded; its prompt cache survives, so the next request still hits."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine_bridge.engine import Engine, EngineSettings
+from engine_bridge.types import GenerationRequest, GenerationResult, Sampling
+
+
+async def _generate(engine: Engine, content: str) -> GenerationResult:
+    req = GenerationRequest(
+        model="demo-llama",
+        messages=[
+            {"role": "system", "content": "Be brief. " * 80},
+            {"role": "user", "content": content},
+        ],
+        max_tokens=8,
+        sampling=Sampling(temperature=0.0),
+    )
+    runner, job = await engine.prepare(req)
+    result = None
+    async for event in engine.run(runner, job):
+        if isinstance(event, GenerationResult):
+            result = event
+    assert result is not None
+    return result
+
+
+def test_idle_model_unloads_and_reload_keeps_cache_hits(demo_root, tmp_path):
+    async def scenario():
+        engine = Engine(
+            EngineSettings(cache_dir=demo_root, model_specs=["demo-llama"], ssd_enabled=False)
+        )
+        try:
+            first = await _generate(engine, "first question")
+            assert engine.loaded("demo-llama") is not None
+            assert await engine.unload_idle(3600.0) == []  # just used: stays loaded
+            assert await engine.unload_idle(0.0) == ["demo-llama"]
+            assert engine.loaded("demo-llama") is None
+            second = await _generate(engine, "second question")
+            assert engine.loaded("demo-llama") is not None
+            return first, second
+        finally:
+            await engine.close()
+
+    first, second = asyncio.run(scenario())
+    assert first.cached_tokens == 0
+    # The shared system prompt was cached before the unload and still is after it.
+    assert second.cached_tokens >= 128
+    assert second.source == "ram"
