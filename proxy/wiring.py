@@ -11,7 +11,7 @@ from engine_bridge.engine import EngineSettings
 from engine_bridge.prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from engine_bridge.prompt_cache import CachePolicy
 
-from .config import Config, resolve_ram_budget
+from .config import Config, parse_duration, parse_size, resolve_ram_budget
 from .state import ProxySettings
 
 
@@ -42,6 +42,11 @@ def engine_settings(config: Config) -> EngineSettings:
             quantize_bits=cache.ram.quantize_bits,
         ),
         normalization=normalization_rules(config),
+        ssd_enabled=cache.ssd.enabled,
+        ssd_max_bytes=parse_size(cache.ssd.max_size),
+        ssd_ttl_s=parse_duration(cache.ssd.ttl) if cache.ssd.ttl is not None else None,
+        ssd_queue_size=cache.ssd.queue_size,
+        ssd_write_through=cache.ssd.write_through,
     )
 
 
