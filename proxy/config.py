@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import os
 import re
 import tomllib
@@ -32,14 +31,18 @@ from pathlib import Path
 from typing import Any
 
 from proxy import tomltext
+from proxy.tomltext import Origins
+
+# Re-exported: callers read sizes and durations through the config module.
+from proxy.units import RAM_BUDGET_FLOOR as RAM_BUDGET_FLOOR
+from proxy.units import parse_duration as parse_duration
+from proxy.units import parse_size as parse_size
+from proxy.units import resolve_ram_budget as resolve_ram_budget
 
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "MLX_PROMPT_CACHE_"
 DEFAULT_CONFIG_PATH = Path("~/.config/mlx-prompt-cache/config.toml")
-# A percentage budget never goes below this: on a machine under memory pressure 20% of
-# "available" can be a few MB, which would make every block an immediate eviction.
-RAM_BUDGET_FLOOR = 100 * 1000 * 1000
 
 # Variables with our prefix that are not config keys (read by scripts, not by load_config).
 _ENV_NOT_CONFIG = frozenset({ENV_PREFIX + "URL", ENV_PREFIX + "CONFIG"})
@@ -149,78 +152,6 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------------
-# Value helpers
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "b": 1}
-for _i, _p in enumerate("kmgt", start=1):
-    _SIZE_UNITS |= {_p: 1000**_i, _p + "b": 1000**_i, _p + "ib": 1024**_i}
-
-
-def parse_size(spec: str | int) -> int:
-    """Bytes from ``8GB`` (SI, 10^9), ``512MiB`` (binary), ``1.5G`` or a plain integer."""
-    if isinstance(spec, bool):
-        raise ValueError(f"invalid size {spec!r}")
-    if isinstance(spec, int):
-        if spec < 0:
-            raise ValueError(f"invalid size {spec!r}: negative")
-        return spec
-    if not isinstance(spec, str):
-        raise ValueError(f"invalid size {spec!r}")
-    m = _SIZE_RE.match(spec)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"invalid size {spec!r}: expected e.g. '8GB', '512MiB' or bytes")
-    return int(float(m.group(1)) * _SIZE_UNITS[unit])
-
-
-def resolve_ram_budget(spec: str | int, available_bytes: int) -> int:
-    """RAM tier budget in bytes: ``"20%"`` of available (floor 100 MB), or a fixed size.
-
-    A fixed size is taken as given, so tests and small machines can ask for less.
-    """
-    if isinstance(spec, str) and spec.strip().endswith("%"):
-        text = spec.strip()[:-1].strip()
-        try:
-            percent = float(text)
-        except ValueError:
-            raise ValueError(f"invalid RAM budget {spec!r}: expected e.g. '20%'") from None
-        if not 0 < percent <= 100:
-            raise ValueError(f"invalid RAM budget {spec!r}: percent must be in (0, 100]")
-        return max(int(available_bytes * percent / 100), RAM_BUDGET_FLOOR)
-    return parse_size(spec)
-
-
-_DURATION_PART_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", re.IGNORECASE)
-_DURATION_UNITS = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_duration(spec: str | float) -> float:
-    """Seconds from ``"7d"``, ``"12h"``, ``"1h30m"``, ``"90s"`` or a number of seconds."""
-    if isinstance(spec, bool):
-        raise ValueError(f"invalid duration {spec!r}")
-    if isinstance(spec, int | float):
-        if spec < 0 or math.isnan(spec):
-            raise ValueError(f"invalid duration {spec!r}: negative")
-        return float(spec)
-    if not isinstance(spec, str):
-        raise ValueError(f"invalid duration {spec!r}")
-    text = spec.strip().replace(" ", "")
-    total = 0.0
-    pos = 0
-    for m in _DURATION_PART_RE.finditer(text):
-        unit = m.group(2).lower()
-        if m.start() != pos or unit not in _DURATION_UNITS:
-            break
-        total += float(m.group(1)) * _DURATION_UNITS[unit]
-        pos = m.end()
-    if not text or pos != len(text):
-        raise ValueError(f"invalid duration {spec!r}: expected e.g. '7d', '12h', '90m' or seconds")
-    return total
-
-
-# ---------------------------------------------------------------------------------------
 # Schema walking
 
 
@@ -298,39 +229,10 @@ def _describe(value: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# Where a value came from, so errors can point at it
-
-
-class _Origins:
-    """Maps a key path to the place its value was set, for error messages."""
-
-    def __init__(self, file: Path | None = None, text: str = "") -> None:
-        self.file = file
-        self._lines = tomltext.key_lines(text) if text else {}
-        self.other: dict[tuple[str | int, ...], str] = {}
-
-    def line(self, path: tuple[str | int, ...]) -> int | None:
-        # An unknown or inline key may not have a line of its own: fall back to its table.
-        for n in range(len(path), 0, -1):
-            if path[:n] in self._lines:
-                return self._lines[path[:n]]
-        return None
-
-    def where(self, path: tuple[str | int, ...]) -> str:
-        for n in range(len(path), 0, -1):
-            if path[:n] in self.other:
-                return self.other[path[:n]]
-        line = self.line(path)
-        if self.file is not None and line is not None:
-            return f"{self.file} line {line}"
-        return str(self.file) if self.file is not None else "defaults"
-
-
-# ---------------------------------------------------------------------------------------
 # Building the dataclasses from merged raw values
 
 
-def _error(path: tuple[str | int, ...], origins: _Origins, message: str) -> ConfigError:
+def _error(path: tuple[str | int, ...], origins: Origins, message: str) -> ConfigError:
     return ConfigError(f"config key {_dotted(path)}: {message} (at {origins.where(path)})")
 
 
@@ -341,7 +243,7 @@ def _dotted(path: tuple[str | int, ...]) -> str:
     return out
 
 
-def _coerce(value: Any, tp: Any, path: tuple[str | int, ...], origins: _Origins) -> Any:
+def _coerce(value: Any, tp: Any, path: tuple[str | int, ...], origins: Origins) -> Any:
     """Check a raw TOML/flag value against a field type; ints widen to float, nothing else."""
     if _list_item(tp) is not None and _is_section(_list_item(tp)):
         if not isinstance(value, list):
@@ -377,7 +279,7 @@ def _coerce(value: Any, tp: Any, path: tuple[str | int, ...], origins: _Origins)
     raise _error(path, origins, f"expected {_type_name(tp)}, got {_describe(value)}")
 
 
-def _build(cls: type, raw: Mapping[str, Any], path: tuple[str | int, ...], origins: _Origins):
+def _build(cls: type, raw: Mapping[str, Any], path: tuple[str | int, ...], origins: Origins):
     hints = _hints(cls)
     for key in raw:
         if key not in hints:
@@ -400,7 +302,7 @@ def _build(cls: type, raw: Mapping[str, Any], path: tuple[str | int, ...], origi
     return cls(**kwargs)
 
 
-def _validate(config: Config, origins: _Origins) -> None:
+def _validate(config: Config, origins: Origins) -> None:
     """Range and format checks that a type alone cannot express."""
 
     def check(path: str, ok: bool, message: str) -> None:
@@ -502,7 +404,7 @@ def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
         tree[path[-1]] = value
 
 
-def _apply_env(tree: dict[str, Any], env: Mapping[str, str], origins: _Origins) -> None:
+def _apply_env(tree: dict[str, Any], env: Mapping[str, str], origins: Origins) -> None:
     by_name = {_env_name(leaf.path): leaf for leaf in _leaves()}
     names = env_var_names()
     for name, text in env.items():
@@ -521,7 +423,7 @@ def _apply_env(tree: dict[str, Any], env: Mapping[str, str], origins: _Origins) 
         origins.other[leaf.path] = f"environment variable {name}"
 
 
-def _apply_overrides(tree: dict[str, Any], overrides: Mapping[str, Any], origins: _Origins) -> None:
+def _apply_overrides(tree: dict[str, Any], overrides: Mapping[str, Any], origins: Origins) -> None:
     leaves = {".".join(leaf.path): leaf for leaf in _leaves()}
     for key, value in overrides.items():
         if value is None:
@@ -556,7 +458,7 @@ def load_config(
     to flag values, and a ``None`` value means the flag was not given.
     """
     tree: dict[str, Any] = {}
-    origins = _Origins()
+    origins = Origins()
     file = path
     if file is None:
         default = DEFAULT_CONFIG_PATH.expanduser()
@@ -573,7 +475,7 @@ def load_config(
             tree = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"invalid TOML in {file}: {exc}") from None
-        origins = _Origins(file, text)
+        origins = Origins(file, text)
     _apply_env(tree, env or {}, origins)
     _apply_overrides(tree, overrides or {}, origins)
     config = _build(Config, tree, (), origins)

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 _HEADER_RE = re.compile(r"^\s*(\[\[?)\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
@@ -144,3 +145,28 @@ def dumps(obj: Any) -> str:
 
     section(obj, (), "")
     return "\n".join(out).lstrip("\n") + "\n"
+
+
+class Origins:
+    """Maps a key path to the place its value was set, for error messages."""
+
+    def __init__(self, file: Path | None = None, text: str = "") -> None:
+        self.file = file
+        self._lines = key_lines(text) if text else {}
+        self.other: dict[tuple[str | int, ...], str] = {}
+
+    def line(self, path: tuple[str | int, ...]) -> int | None:
+        # An unknown or inline key may not have a line of its own: fall back to its table.
+        for n in range(len(path), 0, -1):
+            if path[:n] in self._lines:
+                return self._lines[path[:n]]
+        return None
+
+    def where(self, path: tuple[str | int, ...]) -> str:
+        for n in range(len(path), 0, -1):
+            if path[:n] in self.other:
+                return self.other[path[:n]]
+        line = self.line(path)
+        if self.file is not None and line is not None:
+            return f"{self.file} line {line}"
+        return str(self.file) if self.file is not None else "defaults"
