@@ -1,0 +1,470 @@
+"""SSD tier: a persistent, crash-safe, content-addressed store of cache entries.
+
+Works on host bytes only (HostTensor), under the RAM tier. Writes go through one writer
+thread behind a bounded queue that drops rather than blocks; reads run on the caller's
+thread and validate every byte before returning it. Any I/O fault degrades to a miss or
+to RAM-only operation, counted and logged once; nothing here raises into a request.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import sqlite3
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+from engine_bridge.cache import ssd_files as files
+from engine_bridge.cache import ssd_maintenance as maintenance
+from engine_bridge.cache.index import KINDS, EntryRow, Index, RawId, Scope
+from engine_bridge.cache.ssd_format import FormatError, encode, read_entry
+from engine_bridge.cache.ssd_maintenance import ReconcileReport
+from engine_bridge.cache.ssd_offline import offline_clear, offline_ls, offline_stats
+from engine_bridge.cache.ssd_writer import Job, Writer
+from engine_bridge.cache.tensors import HostTensor
+
+__all__ = [
+    "PutOutcome",
+    "PutReason",
+    "ReconcileReport",
+    "SSDConfig",
+    "SSDEntry",
+    "SSDStats",
+    "SSDStore",
+    "Scope",
+    "offline_clear",
+    "offline_ls",
+    "offline_stats",
+]
+
+log = logging.getLogger(__name__)
+
+PutReason = Literal["spill", "write_through"]
+PutOutcome = Literal["queued", "duplicate", "dropped", "disabled"]
+_LATENCY_WINDOW = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SSDConfig:
+    root: Path
+    max_bytes: int = 10 * 1000**3
+    ttl_s: float | None = None  # drop entries not used for this long
+    queue_size: int = 256  # entries waiting for the writer
+    queue_max_bytes: int | None = None  # and their total size, if bounded
+    maintenance_interval_s: float = 30.0  # TTL sweep and last-access flush
+    # "background": the store is usable at once and the writer reconciles first.
+    reconcile: Literal["background", "sync", "off"] = "background"
+
+
+@dataclass(slots=True)
+class SSDStats:
+    """Counters since this store opened; entries and bytes are what the root holds now.
+
+    Every get is exactly one of: hit, miss, promotion failure (the reservation said no).
+    Quarantined reads also count as misses. Reload figures are over recent hits.
+    """
+
+    entries: int = 0
+    bytes: int = 0
+    queued: int = 0
+    writes: int = 0
+    bytes_written: int = 0
+    spills: int = 0
+    write_throughs: int = 0
+    dedup_skips: int = 0
+    queue_drops: int = 0
+    disabled_drops: int = 0
+    oversize_drops: int = 0
+    write_errors: int = 0
+    hits: int = 0
+    misses: int = 0
+    read_errors: int = 0
+    reload_ms_mean: float = 0.0
+    reload_ms_p95: float = 0.0
+    reload_bytes_per_s: float = 0.0
+    promotion_failures: int = 0
+    quarantined: int = 0
+    evictions: int = 0
+    expired: int = 0
+    disabled: bool = False
+    disabled_reason: str | None = None
+
+
+class SSDEntry(NamedTuple):
+    tensors: dict[str, HostTensor]  # read-only views into one buffer per entry
+    meta: dict[str, str]
+
+
+@dataclass(slots=True)
+class _Counters:
+    values: dict[str, int] = field(default_factory=dict)
+    read_seconds: float = 0.0
+    read_bytes: int = 0
+    latencies_ms: deque = field(default_factory=lambda: deque(maxlen=_LATENCY_WINDOW))
+
+
+_COUNTER_NAMES = tuple(
+    f.name
+    for f in fields(SSDStats)
+    if f.type == "int" and f.name not in ("entries", "bytes", "queued")
+)
+
+
+class SSDStore:
+    """One cache root: every model and tenant under it shares the capacity limit."""
+
+    def __init__(self, config: SSDConfig) -> None:
+        self.config = config
+        self.root = Path(config.root).expanduser()
+        self._lock = threading.Lock()  # counters and touches
+        self._io_lock = threading.Lock()  # serialises writes, eviction, reconcile, sweeps
+        self._touches: dict[RawId, float] = {}  # last accesses not yet in the index
+        self._c = _Counters({name: 0 for name in _COUNTER_NAMES})
+        self._disabled_reason: str | None = None
+        self._reconciled = threading.Event()
+        self.last_reconcile: ReconcileReport | None = None
+        self._index = self._open_index()
+        if config.reconcile == "sync":
+            self.reconcile()
+        self._writer = Writer(
+            process=self._process,
+            maintain=self._maintain,
+            startup=self._startup,
+            on_drop=lambda job: self._count("queue_drops", None),
+            on_exit=self._shutdown,
+            queue_size=config.queue_size,
+            queue_max_bytes=config.queue_max_bytes,
+            interval_s=config.maintenance_interval_s,
+        )
+
+    # ---- requests -------------------------------------------------------------------
+
+    def put(
+        self,
+        scope: Scope,
+        kind: str,
+        key: bytes,
+        tensors: Mapping[str, HostTensor],
+        meta: Mapping[str, str] | None = None,
+        *,
+        tokens: int = 0,
+        tags: str = "",
+        reason: PutReason = "write_through",
+    ) -> PutOutcome:
+        """Queue an entry for writing; never blocks, never raises on I/O.
+
+        The tensors' bytes must not change afterwards (they are written later, by reference).
+        """
+        assert kind in KINDS, f"kind {kind!r} not in {KINDS}"
+        assert reason in ("spill", "write_through"), f"reason {reason!r}"
+        assert len(key) == 32, f"entry key must be 32 bytes, got {len(key)}"
+        if self._disabled_reason is not None:
+            return self._count("disabled_drops", "disabled")
+        rid = (scope.model, scope.tenant, kind, key)
+        nbytes = sum(t.nbytes for t in tensors.values())
+        job = Job(rid, dict(tensors), dict(meta or {}), tokens, tags, reason, nbytes)
+        admission = self._writer.submit(job)
+        if admission == "closed":
+            return self._count("disabled_drops", "disabled")
+        if admission == "duplicate":
+            self._count("dedup_skips", None)
+        elif admission == "dropped":
+            self._count("queue_drops", None)
+        return admission
+
+    def contains_many(self, scope: Scope, kind: str, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys are on disk, from the index alone (no file is opened)."""
+        found = self._present(scope, kind, keys)
+        return [k in found for k in keys]
+
+    def present_prefix(self, scope: Scope, kind: str, chain: Sequence[bytes]) -> int:
+        """How many leading hashes of a block chain are on disk."""
+        found = self._present(scope, kind, chain)
+        for i, key in enumerate(chain):
+            if key not in found:
+                return i
+        return len(chain)
+
+    def get(
+        self,
+        scope: Scope,
+        kind: str,
+        key: bytes,
+        *,
+        reserve: Callable[[int], bool] | None = None,
+        release: Callable[[int], None] | None = None,
+    ) -> SSDEntry | None:
+        """Read and validate one entry; None on a miss, a corrupt file or a refused reserve.
+
+        `reserve(nbytes)` is asked before anything is read or allocated; when it says no,
+        nothing is read and a promotion failure is counted. If it said yes but the read
+        then fails, `release(nbytes)` hands the reservation back.
+        """
+        rid = (scope.model, scope.tenant, kind, key)
+        try:
+            size = None if self._index is None else self._index.size_of(scope, kind, key)
+        except sqlite3.Error:
+            size = None
+        if size is None:
+            return self._count("misses", None)
+        if reserve is not None and not reserve(size):
+            return self._count("promotion_failures", None)
+        start = time.perf_counter()
+        entry = None
+        try:
+            entry = self._read(rid, size)
+        finally:
+            if entry is None and reserve is not None and release is not None:
+                release(size)
+        if entry is None:
+            return self._count("misses", None)
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self._c.values["hits"] += 1
+            self._c.read_seconds += seconds
+            self._c.read_bytes += size
+            self._c.latencies_ms.append(seconds * 1000)
+            self._touches[rid] = time.time()
+        return entry
+
+    def stats(self) -> SSDStats:
+        try:
+            entries, nbytes = (0, 0) if self._index is None else self._index.totals()
+        except sqlite3.Error:
+            entries, nbytes = (0, 0)
+        with self._lock:
+            lat = sorted(self._c.latencies_ms)
+            c = self._c
+            return SSDStats(
+                entries=entries,
+                bytes=nbytes,
+                **{**c.values, "queued": self._writer.pending},
+                reload_ms_mean=sum(lat) / len(lat) if lat else 0.0,
+                reload_ms_p95=lat[math.ceil(0.95 * len(lat)) - 1] if lat else 0.0,
+                reload_bytes_per_s=c.read_bytes / c.read_seconds if c.read_seconds else 0.0,
+                disabled=self._disabled_reason is not None,
+                disabled_reason=self._disabled_reason,
+            )
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued entry has been written or dropped; False on timeout."""
+        return self._writer.flush(timeout_s)
+
+    def wait_reconciled(self, timeout_s: float = 10.0) -> bool:
+        return self._reconciled.wait(timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Drain the queue for at most `timeout_s`, drop the rest, close the index."""
+        if not self._writer.close(timeout_s):
+            log.warning("SSD cache: writer still busy after %.1fs; it closes on its own", timeout_s)
+
+    def __enter__(self) -> SSDStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- maintenance ----------------------------------------------------------------
+
+    def reconcile(self) -> ReconcileReport:
+        """Make index and files agree (see ssd_maintenance.reconcile), then apply the TTL."""
+        start = time.perf_counter()
+        report = ReconcileReport()
+        if self._index is not None:
+            with self._io_lock:
+                try:
+                    report = maintenance.reconcile(
+                        self.root, self._index, max_entry_bytes=self.config.max_bytes
+                    )
+                    report.expired = self._expire()
+                except (OSError, sqlite3.Error) as e:
+                    log.warning("SSD cache: reconcile of %s stopped early: %s", self.root, e)
+        self._count("quarantined", None, report.quarantined)
+        report.seconds = time.perf_counter() - start
+        self.last_reconcile = report
+        log.info("SSD cache: reconciled %s: %s", self.root, report)
+        return report
+
+    def _maintain(self) -> None:
+        with self._io_lock:
+            try:
+                self._expire()
+            except sqlite3.Error as e:
+                log.debug("SSD cache: maintenance skipped: %s", e)
+
+    def _expire(self) -> int:
+        self._flush_touches()
+        if self.config.ttl_s is None or self._index is None or self._disabled_reason:
+            return 0
+        n = maintenance.expire(self.root, self._index, time.time() - self.config.ttl_s)
+        return self._count("expired", n, n)
+
+    def _flush_touches(self) -> None:
+        with self._lock:
+            touches, self._touches = self._touches, {}
+        if touches and self._index is not None:
+            try:
+                self._index.touch(touches.items())
+            except sqlite3.Error:
+                pass  # a read-only index: LRU order goes stale, nothing worse
+
+    # ---- writer thread callbacks ---------------------------------------------------
+
+    def _startup(self) -> None:
+        if self.config.reconcile == "background":
+            self.reconcile()
+        self._reconciled.set()
+
+    def _shutdown(self) -> None:
+        self._reconciled.set()
+        try:
+            self._flush_touches()
+        finally:
+            if self._index is not None:
+                self._index.close()
+
+    def _process(self, job: Job) -> None:
+        try:
+            with self._io_lock:
+                self._write(job)
+        except Exception:
+            log.exception("SSD cache: writing entry %s failed", job.rid[3].hex())
+            self._count("write_errors", None)
+
+    def _write(self, job: Job) -> None:
+        index = self._index
+        if self._disabled_reason is not None or index is None:
+            self._count("disabled_drops", None)
+            return
+        model, tenant, kind, key = job.rid
+        scope = Scope(model, tenant)
+        try:
+            if index.present(scope, kind, [key]):
+                self._count("dedup_skips", None)
+                return
+        except sqlite3.Error as e:
+            self._disable(f"index unusable: {e}")
+            return
+        now = time.time()
+        head, chunks = encode(
+            key, job.tensors, job.meta, tokens=job.tokens, tags=job.tags, created=now,
+        )  # fmt: skip
+        size = len(head) + job.nbytes
+        if size > self.config.max_bytes:
+            self._count("oversize_drops", None)
+            return
+        path = files.entry_path(self.root, job.rid)
+        try:
+            files.write_atomic(path, [head, *chunks])
+        except FileNotFoundError as e:
+            # Its folder vanished mid-write (a `cache clear` from the CLI): skip this one.
+            log.debug("SSD cache: %s", e)
+            self._count("write_errors", None)
+            return
+        except OSError as e:
+            self._disable(f"cannot write {path.parent}: {e}")
+            return
+        try:
+            index.add([EntryRow(scope, kind, key, size, job.tokens, now, now, job.tags)])
+        except sqlite3.Error as e:
+            # The file stays: the next start's reconcile adopts it.
+            self._disable(f"cannot update the index: {e}")
+            return
+        with self._lock:
+            v = self._c.values
+            v["writes"] += 1
+            v["bytes_written"] += size
+            v["spills" if job.reason == "spill" else "write_throughs"] += 1
+        if index.totals()[1] > self.config.max_bytes:
+            self._flush_touches()
+            evicted = maintenance.evict_lru(self.root, index, self.config.max_bytes)
+            self._count("evictions", None, evicted)
+
+    # ---- faults ---------------------------------------------------------------------
+
+    def _open_index(self) -> Index | None:
+        try:
+            files.makedirs_private(self.root)
+            return Index.open(self.root)
+        except (OSError, sqlite3.Error) as e:
+            self._disable(f"cannot open {self.root}: {e}")
+        try:  # reads may still work from an existing, read-only cache
+            return Index.open_readonly(self.root)
+        except (OSError, sqlite3.Error):
+            return None
+
+    def _disable(self, reason: str) -> None:
+        with self._lock:
+            if self._disabled_reason is not None:
+                return
+            self._disabled_reason = reason
+        hint = " (disk full)" if f"[Errno {errno.ENOSPC}]" in reason else ""
+        log.warning("SSD cache disabled, continuing RAM-only%s: %s", hint, reason)
+
+    def _read(self, rid: RawId, size: int) -> SSDEntry | None:
+        path = files.entry_path(self.root, rid)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._forget(rid)  # evicted meanwhile, or deleted by hand
+            return None
+        except OSError as e:
+            log.debug("SSD cache: cannot open %s: %s", path, e)
+            return self._count("read_errors", None)
+        inode = None
+        try:
+            st = os.fstat(fd)
+            inode = st.st_ino
+            if st.st_size != size:
+                if self._size_of(rid) == st.st_size:
+                    return None  # rewritten since we looked it up: a plain miss
+                raise FormatError(f"file is {st.st_size} bytes, the index says {size}")
+            header, tensors = read_entry(fd, size, rid[3])
+        except FormatError as e:
+            self._quarantine(rid, path, inode, str(e))
+            return None
+        except OSError as e:
+            log.debug("SSD cache: cannot read %s: %s", path, e)
+            return self._count("read_errors", None)
+        finally:
+            os.close(fd)
+        return SSDEntry(tensors, dict(header.meta))
+
+    def _quarantine(self, rid: RawId, path: Path, inode: int | None, reason: str) -> None:
+        log.warning("SSD cache: quarantined %s: %s", path, reason)
+        files.quarantine(self.root, rid, path, inode)
+        self._forget(rid)
+        self._count("quarantined", None)
+
+    def _forget(self, rid: RawId) -> None:
+        try:
+            if self._index is not None:
+                self._index.remove([rid])
+        except sqlite3.Error:
+            pass
+
+    def _present(self, scope: Scope, kind: str, keys: Sequence[bytes]) -> set[bytes]:
+        try:
+            return set() if self._index is None else self._index.present(scope, kind, keys)
+        except sqlite3.Error:
+            return set()
+
+    def _size_of(self, rid: RawId) -> int | None:
+        if self._index is None:
+            return None
+        try:
+            return self._index.size_of(Scope(rid[0], rid[1]), rid[2], rid[3])
+        except sqlite3.Error:
+            return None
+
+    def _count(self, name: str, result, n: int = 1):
+        with self._lock:
+            self._c.values[name] += n
+        return result
