@@ -1,0 +1,121 @@
+"""PNG plots of a run: TTFT per turn (chat) and per request (agent), hit ratio, restarts.
+
+matplotlib is an optional extra (`pip install 'mlx-prompt-cache[bench]'`); without it the
+run still writes its JSON and Markdown and says that the plots were skipped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .results import ScenarioResult
+from .servers import LABELS
+
+STYLE = {"ours": ("C0", "o"), "nocache": ("C3", "s"), "mlx_lm": ("C2", "^")}
+
+
+def plot_all(out: Path, results: list[ScenarioResult]) -> tuple[list[Path], str | None]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return (
+            [],
+            "Plots skipped: matplotlib is not installed (pip install 'mlx-prompt-cache[bench]').",
+        )
+    written = []
+    chats = [r for r in results if r.scenario.endswith("chat") and r.samples]
+    agents = [r for r in results if r.scenario == "agent" and r.samples]
+    restarts = [r for r in results if r.scenario.endswith("restart") and r.rows]
+    if chats:
+        written.append(_ttft(plt, out / "chat_ttft.png", chats, "turn", new_only=True))
+    if agents:
+        written.append(_ttft(plt, out / "agent_ttft.png", agents, "request"))
+    if chats or agents:
+        written.append(_hits(plt, out / "hit_ratio.png", chats + agents))
+    if restarts:
+        written.append(_restart(plt, out / "restart_ttft.png", restarts))
+    return written, None
+
+
+def _grid(plt, n: int, height: float = 3.4):
+    cols = min(n, 3)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, height * rows), squeeze=False)
+    flat = [ax for line in axes for ax in line]
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat
+
+
+def _ttft(plt, path: Path, results: list[ScenarioResult], unit: str, new_only: bool = False):
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = _grid(plt, len(results))
+    for ax, r in zip(axes, results, strict=False):
+        for kind, (color, marker) in STYLE.items():
+            pts = [(s.step + 1, s.ttft_s) for s in r.of(kind) if s.ttft_s is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), color=color, marker=marker, label=LABELS[kind])
+        if new_only:
+            pts = [(s.step + 1, s.ttft_s) for s in r.of("nocache", "new-only") if s.ttft_s]
+            if pts:
+                ax.plot(
+                    *zip(*pts, strict=True), "k--", lw=1, label="prefill of the new tokens only"
+                )
+        starts = sorted({s.step for s in r.of("ours") if s.session > 0})
+        if starts:
+            ax.axvline(starts[0] + 0.5, color="grey", lw=0.8, ls=":")
+            ax.text(starts[0] + 0.6, ax.get_ylim()[1] * 0.9, "session 2", color="grey", fontsize=8)
+        ax.set_title(f"{r.scenario} — {r.model}")
+        ax.set_xlabel(unit)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("TTFT (s)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _hits(plt, path: Path, results: list[ScenarioResult]):
+    fig, axes = _grid(plt, len(results), height=3.0)
+    for ax, r in zip(axes, results, strict=False):
+        for kind in ("ours", "mlx_lm"):
+            color, marker = STYLE[kind]
+            pts = [(s.step + 1, s.hit_ratio) for s in r.of(kind) if s.hit_ratio is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), color=color, marker=marker, label=LABELS[kind])
+        ax.set_title(f"hit ratio — {r.scenario}, {r.model}")
+        ax.set_xlabel("turn" if r.scenario.endswith("chat") else "request")
+        ax.set_ylabel("cached / prompt tokens")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _restart(plt, path: Path, results: list[ScenarioResult]):
+    fig, axes = _grid(plt, len(results), height=3.0)
+    for ax, r in zip(axes, results, strict=False):
+        values = r.rows[0].values
+        kinds = [k for k in STYLE if values.get(k) is not None]
+        ax.bar(
+            [LABELS[k].replace(" --", "\n--") for k in kinds],
+            [values[k] for k in kinds],
+            color=[STYLE[k][0] for k in kinds],
+        )
+        ax.set_title(f"next turn after restart — {r.model}", fontsize=9)
+        ax.set_ylabel("TTFT (s)")
+        ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
