@@ -1,6 +1,6 @@
 """SSD tier: format, index, writer, crash safety, faults, capacity, offline helpers.
 
-`python tests/test_ssd.py bench [N]` prints index startup time at N entries (default 100k)
+`PYTHONPATH=. .venv/bin/python tests/test_ssd.py bench [N]` prints index startup time at N entries (default 100k)
 and reload bandwidth; the tests themselves never assert wall time.
 """
 
