@@ -34,6 +34,8 @@ class CachePolicy:
     checkpoint_interval: int = 1024
     # 0 keeps K/V exact; 8 or 4 quantizes stored blocks (smaller, slightly lossy).
     quantize_bits: int = 0
+    # Log, once per request, where a prompt left the nearest cached sequence.
+    log_divergence: bool = True
 
 
 class ModelCache:
@@ -115,6 +117,8 @@ class CacheSession:
 
     def _log_divergence(self, restored: int) -> None:
         """Say once where this prompt left the nearest cached sequence, when it did."""
+        if not self.owner.policy.log_divergence:
+            return
         lcp = self.owner.ram.match(self.tokens, self.extra, needs_checkpoint=False).length
         if lcp == 0 or lcp >= len(self.tokens) - 1:
             return

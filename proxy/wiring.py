@@ -40,6 +40,7 @@ def engine_settings(config: Config) -> EngineSettings:
             block_size=cache.block_size,
             checkpoint_interval=cache.ram.checkpoint_interval,
             quantize_bits=cache.ram.quantize_bits,
+            log_divergence=config.normalization.log_divergence,
         ),
         normalization=normalization_rules(config),
         ssd_enabled=cache.ssd.enabled,
