@@ -1,0 +1,192 @@
+"""`mlx-prompt-cache bench`: the quick run end to end, and the agent trace in both dialects."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from pydantic import TypeAdapter
+
+from proxy.bench import scenario_names, traces
+from proxy.bench.agent_tools import TOOL_NAMES
+
+REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+QUICK_SCENARIOS = ("chat", "agent", "share", "overhead", "restart")
+SERVERS_BY_SCENARIO = {
+    "chat": {"ours", "nocache", "mlx_lm"},
+    "agent": {"ours", "nocache", "mlx_lm"},
+    "share": {"ours", "mlx_lm"},
+    "overhead": {"ours", "nocache", "bare"},
+    "restart": {"ours", "nocache", "mlx_lm"},
+}
+
+
+def small_trace(seed: int = 3) -> traces.AgentTrace:
+    return traces.agent_trace(seed, (4, 3), system_chars=1500, tool_detail_chars=60,
+                              result_chars=600)  # fmt: skip
+
+
+def validate(type_, value):
+    """Validate `value` as `type_`, consuming pydantic's lazily validated iterables."""
+    # The adapter must outlive the iterators it returns: they refer to its definitions.
+    adapter = TypeAdapter(type_)
+    return drain(adapter.validate_python(value))
+
+
+def drain(value):
+    if isinstance(value, dict):
+        return {k: drain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [drain(v) for v in value]
+    if isinstance(value, Iterator):
+        return [drain(v) for v in value]
+    return value
+
+
+def numbers(value) -> Iterator[float]:
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int | float):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from numbers(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from numbers(v)
+
+
+def test_agent_trace_is_deterministic_for_a_seed():
+    assert small_trace(3).to_json() == small_trace(3).to_json()
+    assert small_trace(3).to_json() != small_trace(4).to_json()
+
+
+def test_agent_trace_has_the_shape_of_a_coding_agent_session():
+    trace = small_trace()
+    assert [(c.session, c.index) for c in trace.calls] == [
+        (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2)
+    ]  # fmt: skip
+    first = {c.session: c.body for c in trace.calls if c.index == 0}
+    headers = [first[s]["system"][0]["text"] for s in (0, 1)]
+    assert all(h.startswith("x-anthropic-billing-header: cc_version=") for h in headers)
+    assert headers[0] != headers[1], "the billing header must change per session"
+    assert first[0]["system"][1] == first[1]["system"][1], "same project, same system prompt"
+    assert first[0]["tools"] == first[1]["tools"]
+    assert len(first[0]["tools"]) == len(TOOL_NAMES) >= 20
+    last = trace.calls[3].body["messages"]
+    kinds = [b["type"] for m in last if isinstance(m["content"], list) for b in m["content"]]
+    assert {"thinking", "tool_use", "tool_result", "text"} <= set(kinds)
+    # Every tool_use is answered by a tool_result with its id in the next message.
+    for i, m in enumerate(last):
+        if m["role"] == "assistant":
+            ids = [b["id"] for b in m["content"] if b["type"] == "tool_use"]
+            answers = [
+                b["tool_use_id"] for b in last[i + 1]["content"] if b["type"] == "tool_result"
+            ]
+            assert ids == answers
+    # Each call's history extends the previous call's within a session.
+    for a, b in zip(trace.calls, trace.calls[1:], strict=False):
+        if a.session == b.session:
+            n = len(a.body["messages"])
+            strip = [
+                {
+                    **m,
+                    "content": [
+                        {k: v for k, v in blk.items() if k != "cache_control"}
+                        for blk in m["content"]
+                    ],
+                }
+                for m in b.body["messages"][:n]
+            ]
+            mine = [
+                {
+                    **m,
+                    "content": [
+                        {k: v for k, v in blk.items() if k != "cache_control"}
+                        for blk in m["content"]
+                    ],
+                }
+                for m in a.body["messages"]
+            ]
+            assert strip == mine  # fmt: skip
+
+
+def test_agent_trace_validates_as_anthropic_messages_requests():
+    from anthropic.types import MessageParam, TextBlockParam, ToolParam
+    from anthropic.types.message_create_params import MessageCreateParamsNonStreaming
+
+    for call in small_trace().calls:
+        body = call.anthropic("demo-llama", 8)
+        validate(MessageCreateParamsNonStreaming, body)
+        validate(list[MessageParam], body["messages"])
+        validate(list[TextBlockParam], body["system"])
+        validate(list[ToolParam], body["tools"])
+        assert body["messages"][0]["role"] == "user" and body["messages"][-1]["role"] == "user"
+
+
+def test_agent_trace_converts_to_valid_openai_chat_requests():
+    from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+
+    for call in small_trace().calls:
+        body = call.openai("default_model", 8)
+        validate(list[ChatCompletionMessageParam], body["messages"])
+        validate(list[ChatCompletionToolParam], body["tools"])
+        anthropic_body = call.body
+        assert len(body["tools"]) == len(anthropic_body["tools"])
+        calls = {c["id"]: c for m in body["messages"] for c in m.get("tool_calls", [])}
+        results = [m for m in body["messages"] if m["role"] == "tool"]
+        assert all(r["tool_call_id"] in calls for r in results)
+        assert bool(results) == (call.index > 0), "tool results follow the first request"
+        for c in calls.values():
+            assert isinstance(json.loads(c["function"]["arguments"]), dict)
+        assert body["messages"][0]["role"] == "system"
+        assert body["messages"][0]["content"][0]["text"].startswith("x-anthropic-billing-header")
+
+
+def test_chat_trace_is_deterministic_and_grows_by_turn():
+    a = traces.chat_trace(5, 4, 500)
+    assert a == traces.chat_trace(5, 4, 500)
+    assert a.messages(2)[: len(a.messages(1)) - 1] == a.messages(1)[:-1]
+    assert a.messages(3)[-1] == {"role": "user", "content": a.users[3]}
+    assert a.new_only(2)[0]["content"].startswith(a.replies[1])
+
+
+def test_scenario_names_accept_commas_and_spaces_and_reject_unknown_ones():
+    assert scenario_names(["chat,agent", "share"]) == ["chat", "agent", "share"]
+    with pytest.raises(SystemExit, match="unknown scenario"):
+        scenario_names(["chat,nope"])
+
+
+@pytest.mark.slow
+def test_bench_quick_runs_end_to_end(tmp_path, demo_root):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "proxy.cli", "bench", "--quick", "--model", "demo-llama",
+           "--scenarios", ",".join(QUICK_SCENARIOS), "--out", str(out),
+           "--models-dir", str(demo_root / "models")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for name in ("results.json", "results.md", "chat_ttft.png", "agent_ttft.png",
+                 "hit_ratio.png", "restart_ttft.png"):  # fmt: skip
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+
+    def reject(constant: str):
+        raise AssertionError(f"results.json holds {constant}")
+
+    data = json.loads((out / "results.json").read_text(), parse_constant=reject)
+    assert all(math.isfinite(x) for x in numbers(data))
+    assert data["meta"]["machine"]["cpu_count"] and data["meta"]["versions"]["mlx-lm"]
+    by_name = {s["scenario"]: s for s in data["scenarios"]}
+    assert set(by_name) == set(QUICK_SCENARIOS)
+    for name, scenario in by_name.items():
+        assert scenario["errors"] == [], (name, scenario["errors"])
+        assert scenario["rows"], name
+        samples = scenario["samples"]
+        assert {s["server"] for s in samples} == SERVERS_BY_SCENARIO[name], name
+        assert all(s["ok"] and s["ttft_s"] is not None for s in samples), name
+    md = (out / "results.md").read_text()
+    for name in QUICK_SCENARIOS:
+        assert f"| {name} | demo-llama |" in md
