@@ -91,7 +91,9 @@ class CacheSession:
             ram_only = owner.ram.match(
                 self.tokens, self.extra, needs_checkpoint=owner.needs_checkpoint
             )
-            if self._promote(ram_only.length, len(ram_only.blocks)):
+            # Full blocks of this chain only: a paged hit that ends mid-block may end in a
+            # sibling's block, which is not on the request's chain.
+            if self._promote(ram_only.length, ram_only.length // self.bs):
                 source = "ssd"
         for _ in range(3):  # an eviction between match and acquire: look again
             match = owner.ram.match(
