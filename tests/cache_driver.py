@@ -1,0 +1,277 @@
+"""Drive an in-process Engine for cache tests, and predict the hit the RAM tier must give.
+
+`HitModel` restates the lookup contract (DESIGN.md, "The state layer") from the outside: a
+paged-only model resumes at the longest common prefix with anything a request stored; a
+model with snapshot layers resumes only at a position where a checkpoint was taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine_bridge import kv
+from engine_bridge.engine import Engine, EngineSettings
+from engine_bridge.prompt import RenderedPrompt
+from engine_bridge.runner import Job
+from engine_bridge.types import (
+    GenerationRequest,
+    GenerationResult,
+    PromptInfo,
+    Sampling,
+    TokenEvent,
+)
+
+MAX_TOKENS = 16
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One greedy request: its prompt tokens, what the cache gave, what it generated."""
+
+    tokens: list[int]
+    prompt_text: str
+    message_starts: list[int]
+    cached: int
+    source: str
+    out: list[int]
+    text: str
+    result: GenerationResult
+    reached: int = 0  # where a cancelled request's prefill stopped
+
+
+class Driver:
+    """One Engine on one event loop, called synchronously from tests."""
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        models: list[str],
+        ram_budget_bytes: int = 1 << 30,
+        ssd_enabled: bool = True,
+    ):
+        self.loop = asyncio.Runner()
+        self.engine = Engine(
+            EngineSettings(
+                cache_dir=cache_dir,
+                model_specs=list(models),
+                ram_budget_bytes=ram_budget_bytes,
+                ssd_enabled=ssd_enabled,
+            )
+        )
+        self._bypass: dict[str, Outcome] = {}
+        self._spies: dict[int, _Spy] = {}  # id(job) -> what its cache session was handed
+
+    def close(self) -> None:
+        self.loop.run(self.engine.close())
+        self.loop.close()
+
+    def generate(
+        self,
+        model: str,
+        messages: list[dict[str, Any]] | None = None,
+        *,
+        prompt: str | None = None,
+        tokens: list[int] | None = None,
+        use_cache: bool = True,
+        tenant: str = "local",
+        max_tokens: int = MAX_TOKENS,
+        cancel_at: int | None = None,
+    ) -> Outcome:
+        """Run one greedy request for chat `messages`, a raw `prompt` or raw `tokens`.
+
+        `cancel_at` cancels it at the first prefill save there or later, as a client that
+        disconnects mid-prefill would.
+        """
+        req = GenerationRequest(
+            model=model,
+            messages=messages,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            sampling=Sampling(temperature=0.0),
+            tenant=tenant,
+            use_cache=use_cache,
+        )
+        return self.loop.run(self._run(req, tokens, cancel_at))
+
+    def bypass(self, model: str, messages=None, *, prompt=None, tokens=None) -> Outcome:
+        """The uncached answer; greedy decoding is a pure function of the prompt, so memoized."""
+        key = json.dumps([model, messages, prompt, tokens], sort_keys=True)
+        if key not in self._bypass:
+            self._bypass[key] = self.generate(
+                model, messages, prompt=prompt, tokens=tokens, use_cache=False
+            )
+        return self._bypass[key]
+
+    async def _run(
+        self, req: GenerationRequest, tokens: list[int] | None, cancel_at: int | None
+    ) -> Outcome:
+        if tokens is None:
+            runner, job = await self.engine.prepare(req)
+        else:  # token ids no text re-encodes to, e.g. a prompt plus its generated tokens
+            runner = await self.engine.runner(req.model)
+            text = runner.loaded.tokenizer.decode(tokens)
+            job = Job(req, RenderedPrompt(list(tokens), text, [0], [0]), req.max_tokens)
+        _spy_on_saves(runner, self._spies)
+        spy = self._spies[id(job)] = _Spy(cancel_at)
+        info: PromptInfo | None = None
+        result: GenerationResult | None = None
+        try:
+            async for event in self.engine.run(runner, job):
+                if isinstance(event, PromptInfo):
+                    info = event
+                elif not isinstance(event, TokenEvent):
+                    result = event
+        finally:
+            del self._spies[id(job)]
+        assert info is not None and result is not None
+        if cancel_at is None:
+            # Demo models never emit EOS: every request runs to max_tokens.
+            assert result.completion_tokens == req.max_tokens, result
+        else:
+            assert (result.finish_reason, result.completion_tokens) == ("cancelled", 0), result
+        assert (result.cached_tokens, result.source) == (info.cached_tokens, info.source)
+        return Outcome(
+            list(job.prompt.tokens),
+            job.prompt.text,
+            list(job.prompt.message_starts),
+            info.cached_tokens,
+            info.source,
+            spy.out,
+            result.text,
+            result,
+            spy.reached,
+        )
+
+    def has_snapshots(self, model: str) -> bool:
+        runner = self.loop.run(self.engine.runner(model))
+        return kv.layout(make_prompt_cache(runner.loaded.model)).has_snapshots
+
+    def flush_ssd(self) -> None:
+        """Wait until the SSD tier has written everything queued so far."""
+        if self.engine.ssd is not None:
+            assert self.engine.ssd.store.flush(30.0)
+
+
+@dataclass(slots=True)
+class _Spy:
+    cancel_at: int | None
+    out: list[int] = field(default_factory=list)
+    reached: int = 0
+
+
+def _spy_on_saves(runner: Any, spies: dict[int, _Spy]) -> None:
+    """See what each request hands its cache session: events carry text, not token ids."""
+    factory = runner._session_factory
+    if factory is None or getattr(factory, "spied", False):
+        return
+
+    def spied(job: Any) -> Any:
+        session = factory(job)
+        if session is None:
+            return None
+        save = session.save
+        spy = spies[id(job)]
+
+        def record(cache, tokens, position, reason):
+            save(cache, tokens, position, reason)
+            if reason == "prefill":
+                spy.reached = position
+                if spy.cancel_at is not None and position >= spy.cancel_at:
+                    job.cancel.set()
+            elif reason == "generation_end":
+                spy.out = list(tokens)[len(job.prompt.tokens) :]
+
+        session.save = record
+        return session
+
+    spied.spied = True
+    runner._session_factory = spied
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+@dataclass(slots=True)
+class _Stored:
+    seq: list[int]  # prompt + generated tokens
+    end: int  # the cache holds the state after seq[:end]
+    checkpoints: dict[int, str] = field(default_factory=dict)  # position -> reason
+    thinned: dict[int, str] = field(default_factory=dict)  # gone from RAM, kept on SSD
+
+
+class HitModel:
+    """What an unbounded cache holds after the cached requests it was told about.
+
+    RAM thins periodic checkpoints; an SSD tier written through keeps them (once flushed),
+    and a request that needs one promotes it back to RAM.
+    """
+
+    def __init__(self, snapshots: bool, ssd: bool, checkpoint_interval: int = 1024):
+        self.snapshots = snapshots
+        self.ssd = ssd
+        self.interval = checkpoint_interval
+        self._stored: list[_Stored] = []
+
+    def expected(self, tokens: list[int]) -> int:
+        return self._deepest(tokens, thinned=self.ssd)
+
+    def expected_source(self, tokens: list[int]) -> str:
+        hit = self.expected(tokens)
+        return "none" if hit == 0 else "ram" if hit == self._deepest(tokens, False) else "ssd"
+
+    def _deepest(self, tokens: list[int], thinned: bool) -> int:
+        limit = len(tokens) - 1  # at least one token is always prefilled
+        best = 0
+        for s in self._stored:
+            if self.snapshots:
+                for p in [*s.checkpoints, *(s.thinned if thinned else ())]:
+                    if best < p <= limit and s.seq[:p] == tokens[:p]:
+                        best = p
+            else:
+                best = max(best, min(common_prefix(s.seq[: s.end], tokens), limit))
+        return best
+
+    def record(self, o: Outcome) -> None:
+        """Prefill pauses at message starts and every `interval` tokens past the restored
+        position; those pauses, the prompt's end and the generation's end are checkpoints."""
+        n = len(o.tokens)
+        seq = o.tokens + o.out
+        if o.source == "ssd":
+            for s in self._stored:
+                if o.cached in s.thinned and s.seq[: o.cached] == seq[: o.cached]:
+                    s.checkpoints[o.cached] = s.thinned.pop(o.cached)
+        if o.result.finish_reason == "cancelled":
+            end, last = o.reached, []
+        else:
+            assert len(o.out) == o.result.completion_tokens > 0, "record cached requests only"
+            end = n + len(o.out) - 1
+            last = [(n - 1, "prompt_end"), (end, "generation_end")]
+        pauses = [(p, "boundary") for p in o.message_starts if o.cached < p <= end and p < n - 1]
+        periodic = range(self.interval, min(end + 1, n - 1), self.interval)
+        pauses += [(p, "periodic") for p in periodic if p > o.cached]
+        stored = _Stored(seq, end)
+        self._stored.append(stored)
+        for p, reason in sorted(pauses, key=lambda x: (x[0], x[1] == "periodic")) + last:
+            self._insert(stored, p, reason)
+
+    def _insert(self, stored: _Stored, q: int, reason: str) -> None:
+        # An existing checkpoint on the path wins; a boundary upgrades a periodic one.
+        # Inserting one drops the periodic checkpoints before it on its path (thinning).
+        for s in self._stored:
+            for p, r in list(s.checkpoints.items()):
+                if s.seq[:p] != stored.seq[:p]:
+                    continue
+                if p < q and r == "periodic":
+                    s.thinned[p] = s.checkpoints.pop(p)
+                elif p == q and r == "periodic" and reason != "periodic":
+                    s.checkpoints[p] = reason
+        if not any(q in s.checkpoints and s.seq[:q] == stored.seq[:q] for s in self._stored):
+            stored.checkpoints[q] = reason
