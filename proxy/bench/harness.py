@@ -8,7 +8,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,17 +51,26 @@ class Harness:
     def __exit__(self, *exc) -> None:
         self.fleet.__exit__(*exc)
 
-    def start(self, *kinds: Kind) -> dict[Kind, Server]:
-        """Start the servers, ours each on a fresh cache dir, and warm each one up."""
-        specs = [
-            (k, None if k == "mlx_lm" else servers.fresh_cache_dir(self.work, k, self.model))
-            for k in kinds
-        ]
-        started = servers.start_many(specs, self.model, self.logs)
-        for server in started:
-            self.fleet.add(server)
+    @contextmanager
+    def serve(self, kind: Kind) -> Iterator[Server]:
+        """One warmed-up server (ours on a fresh cache dir), stopped when the block ends.
+
+        Scenarios run one server at a time: three copies of a large model would not fit
+        in many machines' memory, and an idle server would still hold its threads.
+        """
+        cache_dir = (
+            None if kind == "mlx_lm" else servers.fresh_cache_dir(self.work, kind, self.model)
+        )
+        server = self.fleet.add(servers.start(kind, self.model, self.logs, cache_dir))
+        try:
             self.warm(server)
-        return {s.kind: s for s in started}
+            yield server
+        finally:
+            # A restart may have replaced it: stop whatever now runs in its place.
+            for s in list(self.fleet.servers):
+                if s.kind == kind:
+                    s.stop()
+                    self.fleet.servers.remove(s)
 
     def restart(self, server: Server) -> Server:
         """SIGTERM a server, start the same command again (same cache dir), warm it up."""

@@ -17,7 +17,7 @@ from .servers import ModelSpec
 
 def overhead(settings: Settings, model: ModelSpec) -> ScenarioResult:
     result = ScenarioResult("overhead", model.id)
-    n = settings.size(3, 5)
+    n = settings.size(5, 8)
     tokens = settings.size(1000, 4000)
     trace = traces.chat_trace(settings.seed + 3, n, tokens, chars_per_token(model))
     prompts = []
@@ -26,17 +26,17 @@ def overhead(settings: Settings, model: ModelSpec) -> ScenarioResult:
         messages[0] = {**messages[0], "content": f"Overhead probe {k}.\n" + messages[0]["content"]}
         prompts.append(messages)
     with Harness(settings, result, model) as h:
-        srv = h.start("ours", "nocache")
-        for k, messages in enumerate(prompts):
-            for kind in ("ours", "nocache"):
-                sample = h.send(srv[kind], "openai", {"messages": messages}, k)
-                h.progress(f"prompt {k + 1}/{n}", srv[kind], sample)
+        for kind in ("ours", "nocache"):
+            with h.serve(kind) as server:
+                for k, messages in enumerate(prompts):
+                    sample = h.send(server, "openai", {"messages": messages}, k)
+                    h.progress(f"prompt {k + 1}/{n}", server, sample)
     # The servers are down before bare mlx-lm runs: nothing else competes for the CPU.
     h.progress("bare mlx-lm and lookup timing", "in-process")
     prompt_file = h.work / "overhead-prompts.json"
     prompt_file.parent.mkdir(parents=True, exist_ok=True)
     prompt_file.write_text(json.dumps(prompts))
-    repeats = settings.size(2, 3)
+    repeats = 3
     lookup_tokens = 32_768
     measured = bench_support(
         "overhead", str(model.path), str(prompt_file), "--repeats", str(repeats),

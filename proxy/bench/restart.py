@@ -28,27 +28,32 @@ def restart(settings: Settings, model: ModelSpec, scenario: str = "restart") -> 
     prefix = settings.size(2000, 8000) if scenario == "restart" else settings.size(1000, 8000)
     trace = traces.chat_trace(settings.seed + 1, 2, prefix, chars_per_token(model))
     first, second = {"messages": trace.messages(0)}, {"messages": trace.messages(1)}
+    before: dict = {}
+    reloaded: dict = {}
+    after_restart = {}
+    repeat = None
     with Harness(settings, result, model) as h:
-        srv = h.start("ours", "nocache", "mlx_lm")
-        for kind in ("ours", "mlx_lm"):
-            h.progress("build prefix", srv[kind], h.send(srv[kind], "openai", first, 0, "prefix"))
-        before = stats(srv["ours"])
-        for kind in ("ours", "mlx_lm"):
-            h.progress("restart (SIGTERM, start again)", kind)
-            srv[kind] = h.restart(srv[kind])
-        after_restart = {}
         for kind in ("ours", "mlx_lm", "nocache"):
-            sample = h.send(srv[kind], "openai", second, 1, "after-restart")
-            after_restart[kind] = sample
-            h.progress("next turn", srv[kind], sample)
-        reloaded = stats(srv["ours"])
-        repeat = h.send(srv["ours"], "openai", second, 2, "repeat")
-        h.progress("same turn again (RAM)", srv["ours"], repeat)
+            with h.serve(kind) as server:
+                if kind != "nocache":
+                    sample = h.send(server, "openai", first, 0, "prefix")
+                    h.progress("build prefix", server, sample)
+                    if kind == "ours":
+                        before = stats(server)
+                    h.progress("restart (SIGTERM, start again)", server)
+                    server = h.restart(server)
+                sample = h.send(server, "openai", second, 1, "after-restart")
+                after_restart[kind] = sample
+                h.progress("next turn", server, sample)
+                if kind == "ours":
+                    reloaded = stats(server)
+                    repeat = h.send(server, "openai", second, 2, "repeat")
+                    h.progress("same turn again (RAM)", server, repeat)
     result.metrics |= {
         "prefix_prompt_tokens": result.of("ours", "prefix")[0].prompt_tokens,
         "ram_bytes_before_restart": before.get("ram", {}).get("bytes"),
         "ours_after_restart_cached_tokens": after_restart["ours"].cached_tokens,
-        "ours_repeat_ttft_s": repeat.ttft_s,
+        "ours_repeat_ttft_s": repeat.ttft_s if repeat else None,
     }
     result.notes.append(f"ours after restart: x-prompt-cache-source={after_restart['ours'].source}")
     ttft = {k: s.ttft_s for k, s in after_restart.items()}

@@ -27,17 +27,18 @@ def chat(settings: Settings, model: ModelSpec, scenario: str = "chat") -> Scenar
     system_tokens = settings.size(1000, 2000)
     trace = traces.chat_trace(settings.seed, turns, system_tokens, chars_per_token(model))
     with Harness(settings, result, model) as h:
-        srv = h.start(*KINDS)
-        for t in range(turns):
-            step = f"turn {t + 1}/{turns}"
-            for kind in KINDS:
-                sample = h.send(srv[kind], "openai", {"messages": trace.messages(t)}, t)
-                h.progress(step, srv[kind], sample)
-            if t >= 1:
-                body = {"messages": trace.new_only(t)}
-                sample = h.send(srv["nocache"], "openai", body, t, label="new-only")
-                h.progress(step, "new-only", sample)
-        result.metrics["ram_bytes_after"] = stats(srv["ours"]).get("ram", {}).get("bytes")
+        for kind in KINDS:
+            with h.serve(kind) as server:
+                for t in range(turns):
+                    step = f"turn {t + 1}/{turns}"
+                    sample = h.send(server, "openai", {"messages": trace.messages(t)}, t)
+                    h.progress(step, server, sample)
+                    if kind == "nocache" and t >= 1:
+                        body = {"messages": trace.new_only(t)}
+                        sample = h.send(server, "openai", body, t, label="new-only")
+                        h.progress(step, "new-only", sample)
+                if kind == "ours":
+                    result.metrics["ram_bytes_after"] = stats(server).get("ram", {}).get("bytes")
     _summarize_chat(result)
     return result.finish()
 
@@ -109,20 +110,20 @@ def agent(settings: Settings, model: ModelSpec) -> ScenarioResult:
     )
     result.metrics["calls"] = len(trace.calls)
     with Harness(settings, result, model) as h:
-        srv = h.start(*KINDS)
-        for i, call in enumerate(trace.calls):
-            step = f"request {i + 1}/{len(trace.calls)} (session {call.session + 1})"
-            for kind in KINDS:
-                server = srv[kind]
-                if kind == "mlx_lm":
-                    body = traces.to_openai(call.anthropic(server.model_name, settings.max_tokens))
-                    sample = h.send(server, "openai", body, i, session=call.session)
-                else:
+        for kind in KINDS:
+            with h.serve(kind) as server:
+                for i, call in enumerate(trace.calls):
+                    step = f"request {i + 1}/{len(trace.calls)} (session {call.session + 1})"
                     body = call.anthropic(server.model_name, settings.max_tokens)
-                    sample = h.send(server, "anthropic", body, i, session=call.session)
-                h.progress(step, server, sample)
-        server_stats = stats(srv["ours"])
-        result.metrics["server_hit_ratio_ours"] = server_stats.get("hit_ratio")
+                    if kind == "mlx_lm":
+                        sample = h.send(
+                            server, "openai", traces.to_openai(body), i, session=call.session
+                        )
+                    else:
+                        sample = h.send(server, "anthropic", body, i, session=call.session)
+                    h.progress(step, server, sample)
+                if kind == "ours":
+                    result.metrics["server_hit_ratio_ours"] = stats(server).get("hit_ratio")
     totals = {k: total(s.ttft_s for s in result.of(k)) for k in KINDS}
     result.rows.append(
         Row(
@@ -163,14 +164,18 @@ def share(settings: Settings, model: ModelSpec) -> ScenarioResult:
     sessions = settings.size(4, 16)
     system_tokens = settings.size(1000, 2000)
     trace = traces.chat_trace(settings.seed + 2, sessions, system_tokens, chars_per_token(model))
+    before = after = None
     with Harness(settings, result, model) as h:
-        srv = h.start("ours", "mlx_lm")
-        before = stats(srv["ours"]).get("ram", {}).get("bytes")
-        for k in range(sessions):
-            for kind in ("ours", "mlx_lm"):
-                sample = h.send(srv[kind], "openai", {"messages": trace.session(k)}, k, session=k)
-                h.progress(f"session {k + 1}/{sessions}", srv[kind], sample)
-        after = stats(srv["ours"]).get("ram", {}).get("bytes")
+        for kind in ("ours", "mlx_lm"):
+            with h.serve(kind) as server:
+                if kind == "ours":
+                    before = stats(server).get("ram", {}).get("bytes")
+                for k in range(sessions):
+                    body = {"messages": trace.session(k)}
+                    sample = h.send(server, "openai", body, k, session=k)
+                    h.progress(f"session {k + 1}/{sessions}", server, sample)
+                if kind == "ours":
+                    after = stats(server).get("ram", {}).get("bytes")
     ours = [s for s in result.of("ours") if s.prompt_tokens]
     lengths = [s.prompt_tokens + (s.completion_tokens or 0) for s in ours]
     mean_len = int(round(mean(lengths) or 0))

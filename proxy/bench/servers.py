@@ -119,19 +119,6 @@ def start(
     return server
 
 
-def start_many(specs: list[tuple[Kind, Path | None]], model: ModelSpec, logs: Path) -> list[Server]:
-    """Launch several servers at once, then wait for each: their start-up overlaps."""
-    launched = [launch(kind, model, logs, cache_dir) for kind, cache_dir in specs]
-    try:
-        for server in launched:
-            wait_ready(server)
-    except BaseException:
-        for server in launched:
-            server.stop()
-        raise
-    return launched
-
-
 def launch(
     kind: Kind, model: ModelSpec, logs: Path, cache_dir: Path | None = None, tag: str = ""
 ) -> Server:
