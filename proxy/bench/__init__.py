@@ -154,10 +154,15 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for name in names:
         progress(f"[{name}] starting")
-        results += run_one(name, settings)
+        produced = run_one(name, settings)
+        results += produced
+        for r in produced:
+            head = report.main_table([r]).splitlines()[-1]
+            progress(f"[{name}] done in {r.seconds:.0f}s {head}")
         meta["duration_s"] = time.perf_counter() - started
         report.write(out, results, meta)  # after each scenario: an interrupted run keeps data
     meta["duration_s"] = time.perf_counter() - started
+    meta["load_avg_1m_end"] = report.load_avg()
     written = report.write(out, results, meta)
     print(report.main_table(results))
     print(f"\nresults: {out / 'results.md'}, {out / 'results.json'}")

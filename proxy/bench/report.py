@@ -34,7 +34,16 @@ def machine() -> dict[str, Any]:
     gpu = _run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"])
     chip = _run(["sysctl", "-n", "machdep.cpu.brand_string"]) if sys.platform == "darwin" else None
     info["gpu"] = gpu or chip
+    info["load_avg_1m"] = load_avg()
     return info
+
+
+def load_avg() -> float | None:
+    """The 1-minute load average: other work on the machine makes every timing noisier."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def versions() -> dict[str, str | None]:
@@ -93,6 +102,10 @@ def write(out: Path, results: list[ScenarioResult], meta: dict[str, Any]) -> dic
     (out / "results.json").write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
     (out / "results.md").write_text(markdown(results, meta))
     return {"plots": plots, "plot_note": plot_note}
+
+
+def _load(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "—"
 
 
 def fmt(value: Number, metric: str = "") -> str:
@@ -161,6 +174,9 @@ def markdown(results: list[ScenarioResult], meta: dict[str, Any]) -> str:
         + (f", {m['gpu']}" if m.get("gpu") else "")
         + f". Versions: mlx {v.get('mlx')}, mlx-lm {v.get('mlx-lm')}, python {v['python']}, "
         f"mlx-prompt-cache {v.get('mlx-prompt-cache')} ({v.get('git')}).",
+        f"Load average (1 min) at start {_load(m.get('load_avg_1m'))}, at end "
+        f"{_load(meta.get('load_avg_1m_end'))} on {m['cpu_count']} CPUs: timings are noisier "
+        "when it is above the CPU count.",
         f"Model: {meta['model']['id']} ({meta['model']['path']}). Every server got the same "
         f"requests over HTTP, streaming, greedy, max_tokens={meta['max_tokens']}. "
         "TTFT = time to the first output delta.",
