@@ -218,8 +218,8 @@ class CacheSession:
         assert ssd is not None
         bs, tokens = self.bs, self.tokens
         last = len(tokens) - 1  # always leave one token to prefill
-        on_disk = ssd.present_blocks(self.scope, self._chain)
-        usable = max(on_disk, ram_blocks)
+        present = ssd.present_blocks(self.scope, self._chain, self.owner.ram.has_block)
+        usable = max(present, ram_blocks)
         root = chain_root(self.extra)
         reach = min(last, usable * bs + bs - 1)  # a checkpoint can sit inside the next block
         if self.owner.needs_checkpoint:

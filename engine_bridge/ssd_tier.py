@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from . import kv
@@ -72,8 +72,19 @@ class SSDTier:
         if isinstance(obj, Stored) and not obj.on_ssd:
             self.write(obj, kind, len(tokens), "spill")
 
-    def present_blocks(self, scope: Scope, chain: Sequence[BlockHash]) -> int:
-        return self.store.present_prefix(scope, "blocks", chain)
+    def present_blocks(
+        self, scope: Scope, chain: Sequence[BlockHash], in_ram: Callable[[BlockHash], bool]
+    ) -> int:
+        """How many leading blocks of the chain are on disk or in RAM.
+
+        Both count: a hot prefix stays in RAM and is never spilled (so it is not on disk
+        without write-through), while the tail behind it was evicted and spilled.
+        """
+        on_disk = self.store.contains_many(scope, "blocks", chain)
+        for i, (key, disk) in enumerate(zip(chain, on_disk, strict=True)):
+            if not disk and not in_ram(key):
+                return i
+        return len(chain)
 
     def find_checkpoint(
         self,
