@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from . import kv
 from .cache.checkpoints import REASONS
-from .cache.hashing import ExtraKeys, chain_root, checkpoint_key, hash_chain
+from .cache.hashing import BlockHash, ExtraKeys, chain_root, checkpoint_key, hash_chain
 from .cache.manager import CacheManager, EntryKind
 from .cache.matching import Match
 from .models import LoadedModel
@@ -240,6 +240,21 @@ class CacheSession:
         if target <= ram_length:
             return False
         ram = self.owner.ram
+        # Pin what RAM holds of the path: under a tight budget it is the least recently used
+        # part, and inserting the promoted entries would evict the very prefix they extend.
+        held = ram.match(tokens, self.extra, needs_checkpoint=False)
+        pinned = ram.acquire(held)
+        try:
+            return self._read_into_ram(target, need_blocks, ckpt_key, ram_length)
+        finally:
+            if pinned:
+                ram.release(held)
+
+    def _read_into_ram(
+        self, target: int, need_blocks: int, ckpt_key: BlockHash | None, ram_length: int
+    ) -> bool:
+        ssd, ram, bs, tokens = self.owner.ssd, self.owner.ram, self.bs, self.tokens
+        assert ssd is not None
         for i in range(need_blocks):
             if ram.has_block(self._chain[i]):
                 continue
