@@ -83,13 +83,19 @@ def _ttft(plt, path: Path, results: list[ScenarioResult], unit: str, new_only: b
 
 
 def _hits(plt, path: Path, results: list[ScenarioResult]):
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = _grid(plt, len(results), height=3.0)
     for ax, r in zip(axes, results, strict=False):
-        for kind in ("ours", "mlx_lm"):
+        for kind, line in (("ours", "-"), ("mlx_lm", "--")):
             color, marker = STYLE[kind]
             pts = [(s.step + 1, s.hit_ratio) for s in r.of(kind) if s.hit_ratio is not None]
             if pts:
-                ax.plot(*zip(*pts, strict=True), color=color, marker=marker, label=LABELS[kind])
+                # Dashed on top: where both servers hit the same, both lines stay visible.
+                ax.plot(
+                    *zip(*pts, strict=True), line, color=color, marker=marker, label=LABELS[kind]
+                )
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(f"hit ratio — {r.scenario}, {r.model}")
         ax.set_xlabel("turn" if r.scenario.endswith("chat") else "request")
         ax.set_ylabel("cached / prompt tokens")
