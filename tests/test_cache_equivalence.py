@@ -272,7 +272,7 @@ def _child(op: str, parent: list[dict], answer: str, text: str, where: int) -> l
 
 @pytest.mark.parametrize("model", DEMO_IDS)
 @settings(
-    max_examples=10,
+    max_examples=8,
     deadline=None,
     derandomize=True,
     database=None,
