@@ -322,9 +322,31 @@ def test_bypass_neither_reads_nor_writes_the_cache(llama_server):
 # --- budget --------------------------------------------------------------------------------
 
 
+def test_a_server_with_a_tiny_ram_budget_evicts_and_answers_as_bypass(demo_root, tmp_path):
+    budget = 24 * LLAMA_BLOCK_BYTES
+    server = start_server(
+        fresh_cache_dir(demo_root, tmp_path),
+        *("--ram-budget", str(budget), "--model", LLAMA, "--model", "demo-hybrid"),
+        *("--upstream", "http://127.0.0.1:9"),
+    )
+    try:
+        for topic in [0, 1, 2, 0]:
+            for model in (LLAMA, "demo-hybrid"):
+                system = long_system(20 + topic, salt=f"{topic} ")
+                messages = [{"role": "user", "content": f"Tell me about topic {topic}."}]
+                warm = ask_openai(server.url, model, system, messages, tenant="e")
+                cold = ask_openai(server.url, model, system, messages, tenant="e", bypass=True)
+                assert warm.text == cold.text, f"{model} topic {topic}: cached {warm.cached}"
+                ram = stats(server.url)["ram"]
+                assert ram["budget_bytes"] == budget and ram["bytes"] <= budget
+        assert ram["evicted_blocks"] > 0 and ram["evicted_checkpoints"] > 0
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("ssd", [False, True], ids=["ram-only", "with-ssd"])
 def test_a_tiny_ram_budget_evicts_and_answers_stay_equal_to_bypass(demo_root, tmp_path, ssd):
-    # The CLI has no RAM-budget flag yet, so the Engine is driven in-process.
+    # In-process, so the SSD tier can be switched off and its writer flushed.
     budget = 24 * LLAMA_BLOCK_BYTES
     driver = Driver(fresh_cache_dir(demo_root, tmp_path), [LLAMA, "demo-hybrid"], budget, ssd)
     sources = []
