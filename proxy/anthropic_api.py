@@ -59,13 +59,16 @@ def parse_messages(body: dict) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise ApiError(400, f"{where}: expected an object", param="messages")
         role = m.get("role")
-        if role not in ("user", "assistant"):
+        if role not in ("user", "assistant", "system"):
             raise ApiError(
                 400,
-                f"{where}.role: unknown role {role!r}; expected 'user' or 'assistant'",
+                f"{where}.role: unknown role {role!r}; expected 'user', 'assistant' or 'system'",
                 param="messages",
             )
         content = m.get("content")
+        if role == "system":
+            _inline_system(out, _text_blocks(content, f"{where}.content"))
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -78,6 +81,18 @@ def parse_messages(body: dict) -> list[dict[str, Any]]:
         else:
             out.extend(_user(content, where))
     return out
+
+
+def _inline_system(out: list[dict[str, Any]], text: str) -> None:
+    """A system message inside the conversation (Claude Code sends these after a user turn).
+
+    Chat templates accept a system message only first, so it joins the user turn before it,
+    where it stays at the same place in every later request and so keeps the prefix cached.
+    """
+    if out and out[-1]["role"] == "user" and isinstance(out[-1]["content"], str):
+        out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + text}
+    else:
+        out.append({"role": "user", "content": text})
 
 
 def _assistant(blocks: list, where: str) -> dict[str, Any]:
@@ -183,7 +198,8 @@ def messages_request(body: dict, request: web.Request) -> GenerationRequest:
     thinking = f.get_dict(body, "thinking")
     kwargs: dict[str, Any] = {}
     if thinking is not None:
-        kwargs["enable_thinking"] = thinking.get("type") == "enabled"
+        # "adaptive" (Claude Code's default) lets the model decide: allow thinking.
+        kwargs["enable_thinking"] = thinking.get("type") in ("enabled", "adaptive")
     tenant, use_cache = request_options(request)
     return GenerationRequest(
         model=model,

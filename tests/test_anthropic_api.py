@@ -149,3 +149,19 @@ def test_messages_error_shape_is_anthropic(server):
     body = r.json()
     assert body["type"] == "error"
     assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_system_message_inside_conversation_joins_the_user_turn(anthropic_client):
+    """Claude Code 2.x sends {"role": "system"} after the user turn (agent listings)."""
+    base = [{"role": "user", "content": [{"type": "text", "text": "say hello"}]}]
+    with_system = base + [{"role": "system", "content": "Available agent types: claude."}]
+    plain = anthropic_client.messages.count_tokens(model="demo-llama", messages=base)
+    joined = anthropic_client.messages.count_tokens(model="demo-llama", messages=with_system)
+    assert joined.input_tokens > plain.input_tokens
+    msg = anthropic_client.messages.create(
+        model="demo-llama",
+        max_tokens=4,
+        messages=with_system,
+        extra_body={"thinking": {"type": "adaptive"}, "context_management": {"edits": []}},
+    )
+    assert msg.usage.output_tokens == 4

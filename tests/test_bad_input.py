@@ -50,7 +50,7 @@ CASES = [
         "max_tokens",
     ),
     ("/v1/messages", {**OK_MSG, "messages": []}, 400, "messages"),
-    ("/v1/messages", {**OK_MSG, "messages": [{"role": "system", "content": "x"}]}, 400, "role"),
+    ("/v1/messages", {**OK_MSG, "messages": [{"role": "tool", "content": "x"}]}, 400, "role"),
     ("/v1/messages", {**OK_MSG, "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/messages", {**OK_MSG, "temperature": -1}, 400, "temperature"),
     ("/v1/messages", {**OK_MSG, "model": "nope"}, 404, "nope"),
