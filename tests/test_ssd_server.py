@@ -603,7 +603,7 @@ def test_evicted_blocks_spill_and_come_back_from_ssd_behind_a_hot_prefix(demo_ro
 def test_sigterm_drains_the_write_queue_in_bounded_time(demo_root, tmp_path):
     cache_dir = fresh_cache_dir(demo_root, tmp_path / "cache")
     trigger = tmp_path / "fault"
-    trigger.write_text("slow:0.05")  # every entry write takes 50 ms longer: a queue builds up
+    trigger.write_text("slow:0.1")  # every entry write takes 100 ms longer: a queue builds up
     server = start_server(cache_dir, *NO_UPSTREAM, env=fault_env(cache_dir, trigger))
     for model in (LLAMA, HYBRID, SWA):
         Conversation(model, system_prompt("drain")).ask(server.url, _QUESTIONS[0])
