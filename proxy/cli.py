@@ -227,7 +227,13 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     app = create_app(engine, proxy_settings(config), config.upstream)
     asyncio.run(_run(app, config.server.host, config.server.port))
-    return 0
+    # Everything is drained and closed by now. Skip interpreter finalization: MLX frees a
+    # finished generation thread's thread-local state late, and when that races the
+    # interpreter's teardown the process aborts (SIGABRT) after a clean shutdown.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 async def _run(app: web.Application, host: str, port: int) -> None:

@@ -621,15 +621,11 @@ def test_sigterm_drains_the_write_queue_in_bounded_time(demo_root, tmp_path):
     assert assert_every_entry_file_is_whole(cache_dir) == offline["entries"]
 
 
-@pytest.mark.xfail(
-    reason="MLX frees a generation thread's thread-local compile cache after Python has "
-    "joined the thread; when that races interpreter finalization the process aborts "
-    "(SIGABRT, 'terminate called without an active exception') after a complete shutdown",
-    strict=False,
-)
 def test_sigterm_exit_status_is_0(demo_root, tmp_path):
+    # The abort this guards against hit about 1 shutdown in 5: several rounds catch it.
     cache_dir = fresh_cache_dir(demo_root, tmp_path)
-    server = start_server(cache_dir, *NO_UPSTREAM)
-    for model in (HYBRID, SWA):  # both run mx.compile'd functions on their threads
-        Conversation(model, system_prompt("exit")).ask(server.url, _QUESTIONS[0])
-    assert server.stop(signal.SIGTERM) == 0, server.log()[-2000:]
+    for round_ in range(4):
+        server = start_server(cache_dir, *NO_UPSTREAM)
+        for model in (HYBRID, SWA):  # both run mx.compile'd functions on their threads
+            Conversation(model, system_prompt(f"exit {round_}")).ask(server.url, _QUESTIONS[0])
+        assert server.stop(signal.SIGTERM) == 0, server.log()[-2000:]
