@@ -79,7 +79,6 @@ class CacheSession:
         self._chain = hash_chain(self.tokens, self.bs, self.extra)
         self._stored_blocks = 0  # blocks [0, n) are known to be in the RAM tier
         self._match: Match | None = None
-        self.written_tokens = 0
 
     # -- restore ---------------------------------------------------------------------------
 
@@ -178,7 +177,6 @@ class CacheSession:
                 payloads[i] = Stored(self._maybe_quantize(b), self.scope, self._chain[i], "block")
         if payloads:
             ram.insert_blocks(tokens[: full * self.bs], self.extra, payloads)
-            self.written_tokens += len(payloads) * self.bs
             for stored in payloads.values():
                 self._write_through(stored, "block", self.bs)
         self._stored_blocks = full

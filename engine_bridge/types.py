@@ -82,8 +82,6 @@ class GenerationResult:
     text: str
     ttft_s: float
     generation_s: float
-    # Tokens of the prompt written to the cache by this request (cache_creation).
-    cache_written_tokens: int = 0
     stop_string: str | None = None
     # False for bypassed requests and cache-less models: they stay out of the hit ratio.
     used_cache: bool = True
