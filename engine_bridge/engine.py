@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import mlx.core as mx
 
 from . import discovery, kv, models
 from .cache.manager import CacheManager
@@ -20,6 +24,12 @@ from .ssd_tier import SSDTier
 from .types import EngineError, GenerationRequest, GenerationResult
 
 log = logging.getLogger("engine_bridge.engine")
+
+
+def _release_memory() -> None:
+    """Return an unloaded model's buffers to the system (on the MLX thread)."""
+    gc.collect()
+    mx.clear_cache()
 
 
 @dataclass(slots=True)
@@ -111,6 +121,8 @@ class Engine:
         self.settings = settings
         self._entries: dict[str, ModelEntry] = {}
         self.requests = RequestStats()
+        # The one thread that runs MLX work (loading, prefill, decode) for every model.
+        self._mlx = ThreadPoolExecutor(1, thread_name_prefix="mlx")
         self.ssd: SSDTier | None = None
         if settings.cache_enabled and settings.ssd_enabled:
             store = SSDStore(
@@ -154,9 +166,12 @@ class Engine:
             raise EngineError(f"model {model_id!r} is not served here", field="model", status=404)
         async with entry.loading:
             if entry.runner is None:
-                loaded = await asyncio.to_thread(models.load, entry.ref)
+                loaded = await self._on_mlx(models.load, entry.ref)
                 entry.runner = Runner(
-                    loaded, self._session_factory(loaded), on_result=self.requests.record
+                    loaded,
+                    self._session_factory(loaded),
+                    on_result=self.requests.record,
+                    executor=self._mlx,
                 )
             # Marks the model busy for the idle janitor before any await can intervene.
             entry.runner.last_used = time.monotonic()
@@ -172,8 +187,10 @@ class Engine:
                 if runner is None or runner.queued or now - runner.last_used < idle_s:
                     continue
                 entry.runner = None
-            await asyncio.to_thread(runner.close)
-            log.info("unloaded %s after %.0fs idle", model_id, now - runner.last_used)
+            idle_for = now - runner.last_used
+            del runner  # the last reference: the weights go with it
+            await self._on_mlx(_release_memory)
+            log.info("unloaded %s after %.0fs idle", model_id, idle_for)
             unloaded.append(model_id)
         return unloaded
 
@@ -277,10 +294,12 @@ class Engine:
             return None
         return asdict(self.ssd.store.stats())
 
+    async def _on_mlx(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._mlx, fn, *args)
+
     async def close(self) -> None:
-        for entry in self._entries.values():
-            if entry.runner is not None:
-                await asyncio.to_thread(entry.runner.close)
+        # Waits for the generation in progress; queued ones see their cancel flag.
+        await asyncio.to_thread(self._mlx.shutdown, True)
         if self.ssd is not None:
             # Drain queued writes (bounded), so a clean shutdown loses nothing computed.
             await asyncio.to_thread(self.ssd.close, self.settings.ssd_drain_s)

@@ -1,7 +1,9 @@
 """One request for one model: lookup → restore → prefill → decode → store.
 
-Each model has one worker thread, so requests to a model queue fairly (FIFO) and run one
-at a time; the event loop only ever waits on an asyncio queue fed from that thread.
+All MLX work runs on one worker thread that the engine shares between its models, so
+requests queue fairly (FIFO) and run one at a time: Metal does not take command buffers
+from two threads at once, and one GPU runs one prefill at a time anyway. The event loop
+only ever waits on an asyncio queue fed from that thread.
 """
 
 from __future__ import annotations
@@ -74,16 +76,17 @@ class Runner:
         loaded: LoadedModel,
         session_factory: Callable[[Job], CacheSession | None] | None = None,
         on_result: Callable[[GenerationResult], None] | None = None,
+        executor: ThreadPoolExecutor | None = None,
     ):
         self.loaded = loaded
         self._session_factory = session_factory
         self._on_result = on_result
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"gen-{loaded.id}")
+        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="mlx")
         self.queued = 0
         self.last_used = time.monotonic()
 
     async def run(self, job: Job) -> AsyncIterator[Event]:
-        """Queue the job on the model's thread and yield its events as they come."""
+        """Queue the job on the MLX thread and yield its events as they come."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event | _Failed | None] = asyncio.Queue()
 
@@ -106,9 +109,6 @@ class Runner:
             self.queued -= 1
             self.last_used = time.monotonic()
             await asyncio.shield(future)
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _work(self, job: Job, emit: Callable[[Any], None]) -> None:
         request_id.set(job.request.request_id or "-")

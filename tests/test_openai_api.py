@@ -174,3 +174,23 @@ def test_cache_headers_on_every_generation(server):
     assert r.headers["x-prompt-cache-source"] in ("ram", "ssd", "none")
     assert int(r.headers["x-prompt-cache-hit-tokens"]) >= 0
     assert r.headers["x-request-id"]
+
+
+def test_concurrent_requests_to_all_models_match_sequential_answers(openai_client):
+    """One MLX thread serves every model: concurrent requests queue and answer as alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(model: str) -> str:
+        r = openai_client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": f"Concurrency check for {model}."}],
+            max_tokens=12,
+            temperature=0,
+            extra_headers={"x-prompt-cache": "bypass"},
+        )
+        return r.choices[0].message.content
+
+    alone = {m: ask(m) for m in DEMO_IDS}
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(ask, DEMO_IDS * 2))
+    assert together == [alone[m] for m in DEMO_IDS * 2]
