@@ -218,52 +218,64 @@ class CacheSession:
         last = len(tokens) - 1  # always leave one token to prefill
         present = ssd.present_blocks(self.scope, self._chain, self.owner.ram.has_block)
         usable = max(present, ram_blocks)
-        root = chain_root(self.extra)
         reach = min(last, usable * bs + bs - 1)  # a checkpoint can sit inside the next block
-        if self.owner.needs_checkpoint:
-            found = ssd.find_checkpoint(
-                self.scope, root, self._chain, tokens, bs, ram_length, reach
-            )
-            if found is None:
-                return False
-        else:
-            # Paged layers restore from blocks alone; a checkpoint only adds its partial tail.
-            base = min(usable * bs, last)
-            lo = max(ram_length, base)
-            found = ssd.find_checkpoint(self.scope, root, self._chain, tokens, bs, lo, reach)
-            if found is None:
-                found = (base, None)
-        target, ckpt_key = found
-        need_blocks = target // bs if ckpt_key is not None else -(-target // bs)
-        if target <= ram_length:
-            return False
         ram = self.owner.ram
         # Pin what RAM holds of the path: under a tight budget it is the least recently used
         # part, and inserting the promoted entries would evict the very prefix they extend.
         held = ram.match(tokens, self.extra, needs_checkpoint=False)
         pinned = ram.acquire(held)
         try:
-            return self._read_into_ram(target, need_blocks, ckpt_key, ram_length)
+            # A corrupt entry on disk is quarantined and read as a miss: then fall back to
+            # the next shallower checkpoint rather than to nothing.
+            for _ in range(4):
+                found = self._find_target(ram_length, usable, reach)
+                if found is None or found[0] <= ram_length:
+                    return False
+                outcome = self._read_into_ram(*found, ram_length)
+                if isinstance(outcome, bool):
+                    return outcome
+                reach = outcome
+            return False
         finally:
             if pinned:
                 ram.release(held)
 
+    def _find_target(
+        self, ram_length: int, usable: int, reach: int
+    ) -> tuple[int, BlockHash | None] | None:
+        """The deepest position the SSD can restore up to `reach`, and its checkpoint key."""
+        ssd, bs, tokens = self.owner.ssd, self.bs, self.tokens
+        assert ssd is not None
+        root = chain_root(self.extra)
+        if self.owner.needs_checkpoint:
+            return ssd.find_checkpoint(self.scope, root, self._chain, tokens, bs, ram_length, reach)
+        # Paged layers restore from blocks alone; a checkpoint only adds its partial tail.
+        base = min(usable * bs, len(tokens) - 1, reach)
+        lo = max(ram_length, base)
+        found = ssd.find_checkpoint(self.scope, root, self._chain, tokens, bs, lo, reach)
+        return found if found is not None else (base, None)
+
     def _read_into_ram(
-        self, target: int, need_blocks: int, ckpt_key: BlockHash | None, ram_length: int
-    ) -> bool:
+        self, target: int, ckpt_key: BlockHash | None, ram_length: int
+    ) -> bool | int:
+        """Promote what `target` needs; True/False when done, or a lower reach to retry with."""
         ssd, ram, bs, tokens = self.owner.ssd, self.owner.ram, self.bs, self.tokens
         assert ssd is not None
+        snapshots = self.owner.needs_checkpoint
+        need_blocks = target // bs if ckpt_key is not None else -(-target // bs)
         for i in range(need_blocks):
             if ram.has_block(self._chain[i]):
                 continue
             stored = ssd.read(ram, self.scope, "block", self._chain[i])
             if stored is None:
-                return i * bs > ram_length and not self.owner.needs_checkpoint
+                # Blocks [0, i) are in RAM now: a paged model uses them as they are, a
+                # snapshot model needs a checkpoint no deeper than block i.
+                return i * bs + bs - 1 if snapshots else i * bs > ram_length
             ram.insert_blocks(tokens[: (i + 1) * bs], self.extra, {i: stored})
         if ckpt_key is not None:
             stored = ssd.read(ram, self.scope, "checkpoint", ckpt_key)
             if stored is None:  # the blocks alone still serve a paged model
-                return need_blocks * bs > ram_length and not self.owner.needs_checkpoint
+                return target - 1 if snapshots else need_blocks * bs > ram_length
             reason = stored.reason if stored.reason in REASONS else "boundary"
             ram.insert_checkpoint(tokens[:target], self.extra, stored, reason)
         return True

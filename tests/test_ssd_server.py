@@ -14,6 +14,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -473,6 +474,50 @@ def test_flipped_truncated_and_deleted_files_are_quarantined_or_ignored(demo_roo
     # The recomputed blocks were written again, whole, under the same names.
     for path in (flipped, truncated, deleted):
         assert_whole(path)
+
+
+def test_corrupt_deepest_checkpoint_falls_back_to_a_shallower_one(demo_root, tmp_path):
+    """A hybrid model needs a checkpoint: losing the deepest one must cost one step, not all."""
+    from safetensors import safe_open
+
+    cache_dir = fresh_cache_dir(demo_root, tmp_path)
+    server = start_server(cache_dir, *NO_UPSTREAM)
+    convo = Conversation(HYBRID, system_prompt("fallback"))
+    for q in _QUESTIONS[:3]:
+        convo.ask(server.url, q)
+    convo.messages.append({"role": "user", "content": _QUESTIONS[3]})
+    expected = chat(server.url, HYBRID, convo.prompt(), bypass=True).text
+    drained(server)
+    server.stop()
+    # A copy to learn which checkpoint the next turn resumes from, untouched.
+    probe_dir = tmp_path / "probe"
+    shutil.copytree(cache_dir, probe_dir)
+    probe = start_server(probe_dir, *NO_UPSTREAM)
+    try:
+        used = chat(probe.url, HYBRID, convo.prompt())
+    finally:
+        probe.stop()
+    assert used.source == "ssd" and used.cached > 0, used
+
+    def position(path: Path) -> int:
+        with safe_open(str(path), "np") as f:
+            return int(f.metadata()["mpc.tokens"])
+
+    (resumed_from,) = [
+        p for p in entry_files(cache_dir, "checkpoints") if position(p) == used.cached
+    ]
+    _flip_data_bytes(resumed_from)
+
+    server = start_server(cache_dir, *NO_UPSTREAM)
+    try:
+        reply = chat(server.url, HYBRID, convo.prompt())
+        ssd = stats(server)["ssd"]
+    finally:
+        server.stop()
+    assert reply.text == expected == used.text
+    assert reply.source == "ssd"
+    assert 0 < reply.cached < used.cached
+    assert ssd["quarantined"] == 1, ssd
 
 
 # -- 4. full disk and read-only folder ---------------------------------------------------------
