@@ -120,8 +120,17 @@ class CacheSession:
         """Say once where this prompt left the nearest cached sequence, when it did."""
         if not self.owner.policy.log_divergence:
             return
-        lcp = self.owner.ram.match(self.tokens, self.extra, needs_checkpoint=False).length
+        m = self.owner.ram.match(self.tokens, self.extra, needs_checkpoint=False)
+        lcp = m.length
         if lcp == 0 or lcp >= len(self.tokens) - 1:
+            return
+        # Only a cached entry cut short is a divergence; a prompt that simply runs past the
+        # end of what is cached (the next turn of a conversation) is the normal case.
+        if m.checkpoint is not None:
+            diverged = m.checkpoint_tokens < len(m.checkpoint.tail)
+        else:
+            diverged = bool(m.blocks) and m.used_tokens < self.bs
+        if not diverged:
             return
         prompt = self.job.prompt
         tok = self.owner.loaded.tokenizer

@@ -374,3 +374,19 @@ def test_a_tiny_ram_budget_evicts_and_answers_stay_equal_to_bypass(demo_root, tm
             assert all(source != "ssd" and left > 300 for source, left in sources[8:])
     finally:
         driver.close()
+
+
+def test_next_turn_that_extends_the_cache_logs_no_divergence(server):
+    system = long_system(12, salt="Extends. ")
+    who, uid = tenant(), uuid.uuid4().hex[:8]
+    first = [{"role": "user", "content": "First question about logs?"}]
+    a = ask_openai(server.url, LLAMA, system, first, tenant=who, rid=f"ext-a-{uid}")
+    second = first + [
+        {"role": "assistant", "content": a.text},
+        {"role": "user", "content": "And a second one?"},
+    ]
+    b = ask_openai(server.url, LLAMA, system, second, tenant=who, rid=f"ext-b-{uid}")
+    assert b.cached > 0
+    assert not [
+        ln for ln in server.log().splitlines() if f"[ext-b-{uid}]" in ln and "diverges" in ln
+    ]
