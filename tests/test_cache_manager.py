@@ -617,7 +617,7 @@ def test_match_equals_brute_force_longest_restorable_prefix(tree):
 
 def entries(m: CacheManager) -> list[Block | Checkpoint]:
     pool, ckpts = m._pool, m._checkpoints  # noqa: SLF001 - invariants span the internals
-    return list(pool._by_hash.values()) + list(ckpts._by_key.values())  # noqa: SLF001
+    return list(pool._by_key.values()) + list(ckpts._by_key.values())  # noqa: SLF001
 
 
 @settings(max_examples=200, deadline=None)

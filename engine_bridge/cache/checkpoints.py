@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from engine_bridge.cache.hashing import BlockHash, checkpoint_key
-from engine_bridge.cache.pool import FreeQueue, Linked, pin, refresh, unpin
+from engine_bridge.cache.pool import GroupedStore, Linked
 
 Reason = Literal["periodic", "boundary", "prompt_end", "generation_end"]
 REASONS: frozenset[str] = frozenset(get_args(Reason))
@@ -50,24 +50,19 @@ class Checkpoint:
         )
 
 
-class CheckpointStore:
+class CheckpointStore(GroupedStore):
     """Checkpoints by key and by anchor, sharing the block pool's LRU free queue."""
 
-    def __init__(self, free_queue: FreeQueue) -> None:
-        self.free_queue = free_queue
-        self._by_key: dict[BlockHash, Checkpoint] = {}
-        self._by_anchor: dict[BlockHash, dict[BlockHash, Checkpoint]] = {}
-        self._next_id = 0
-        self.nbytes = 0
+    @staticmethod
+    def key_of(entry: Checkpoint) -> BlockHash:
+        return entry.key
 
-    def __len__(self) -> int:
-        return len(self._by_key)
-
-    def get(self, key: BlockHash) -> Checkpoint | None:
-        return self._by_key.get(key)
+    @staticmethod
+    def group_of(entry: Checkpoint) -> BlockHash:
+        return entry.anchor
 
     def at(self, anchor: BlockHash) -> Collection[Checkpoint]:
-        return self._by_anchor.get(anchor, {}).values()
+        return self.group(anchor)
 
     def insert(
         self,
@@ -92,35 +87,8 @@ class CheckpointStore:
             return ckpt, False
         ckpt = Checkpoint(self._next_id, key, anchor, tail, position, reason, payload, nbytes)
         self._next_id += 1
-        self._by_key[key] = ckpt
-        self._by_anchor.setdefault(anchor, {})[key] = ckpt
-        self.nbytes += nbytes
-        self.free_queue.append(ckpt)
+        self._add(ckpt)
         return ckpt, True
-
-    def acquire(self, ckpt: Checkpoint) -> None:
-        assert self._by_key.get(ckpt.key) is ckpt, f"acquire of evicted {ckpt!r}"
-        pin(ckpt, self.free_queue)
-
-    def release(self, ckpt: Checkpoint) -> None:
-        assert self._by_key.get(ckpt.key) is ckpt, f"release of evicted {ckpt!r}"
-        unpin(ckpt, self.free_queue)
-
-    def refresh(self, ckpt: Checkpoint) -> None:
-        refresh(ckpt, self.free_queue)
-
-    def remove(self, ckpt: Checkpoint) -> None:
-        """Forget an unreferenced checkpoint, queued or already popped from the queue."""
-        assert ckpt.ref_cnt == 0, f"remove of referenced {ckpt!r}"
-        assert self._by_key.get(ckpt.key) is ckpt, f"remove of unknown {ckpt!r}"
-        if ckpt.prev_free is not None:
-            self.free_queue.remove(ckpt)
-        del self._by_key[ckpt.key]
-        siblings = self._by_anchor[ckpt.anchor]
-        del siblings[ckpt.key]
-        if not siblings:
-            del self._by_anchor[ckpt.anchor]
-        self.nbytes -= ckpt.nbytes
 
     def thin(
         self,

@@ -133,28 +133,93 @@ def refresh(entry: Linked, queue: FreeQueue) -> None:
         queue.append(entry)
 
 
-class BlockPool:
+class GroupedStore:
+    """Entries by key and by group (parent hash or anchor), on a shared LRU free queue.
+
+    Subclasses name an entry's key and group; an entry is in the free queue exactly while
+    nothing references it, so eviction never takes one in use.
+    """
+
+    def __init__(self, free_queue: FreeQueue) -> None:
+        self.free_queue = free_queue
+        self._by_key: dict[BlockHash, Any] = {}
+        self._groups: dict[BlockHash, dict[BlockHash, Any]] = {}
+        self._next_id = 0
+        self.nbytes = 0
+
+    @staticmethod
+    def key_of(entry: Any) -> BlockHash:
+        raise NotImplementedError
+
+    @staticmethod
+    def group_of(entry: Any) -> BlockHash:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def __contains__(self, key: BlockHash) -> bool:
+        return key in self._by_key
+
+    def get(self, key: BlockHash) -> Any | None:
+        return self._by_key.get(key)
+
+    def group(self, group: BlockHash) -> Collection[Any]:
+        return self._groups.get(group, {}).values()
+
+    def _add(self, entry: Any) -> None:
+        key = self.key_of(entry)
+        self._by_key[key] = entry
+        self._groups.setdefault(self.group_of(entry), {})[key] = entry
+        self.nbytes += entry.nbytes
+        self.free_queue.append(entry)
+
+    def _owns(self, entry: Any) -> bool:
+        return self._by_key.get(self.key_of(entry)) is entry
+
+    def acquire(self, entry: Any) -> None:
+        assert self._owns(entry), f"acquire of evicted {entry!r}"
+        pin(entry, self.free_queue)
+
+    def release(self, entry: Any) -> None:
+        assert self._owns(entry), f"release of evicted {entry!r}"
+        unpin(entry, self.free_queue)
+
+    def refresh(self, entry: Any) -> None:
+        refresh(entry, self.free_queue)
+
+    def remove(self, entry: Any) -> None:
+        """Forget an unreferenced entry, queued or already popped from the queue."""
+        assert entry.ref_cnt == 0, f"remove of referenced {entry!r}"
+        assert self._owns(entry), f"remove of unknown {entry!r}"
+        if entry.prev_free is not None:
+            self.free_queue.remove(entry)
+        key, group = self.key_of(entry), self.group_of(entry)
+        del self._by_key[key]
+        siblings = self._groups[group]
+        del siblings[key]
+        if not siblings:
+            del self._groups[group]
+        self.nbytes -= entry.nbytes
+
+
+class BlockPool(GroupedStore):
     """Blocks by hash, plus a children index (parent hash → blocks) for in-block prefix matching."""
 
     def __init__(self, free_queue: FreeQueue | None = None) -> None:
         # Shared with the checkpoint store, so one LRU order spans both kinds of entry.
-        self.free_queue = free_queue if free_queue is not None else FreeQueue()
-        self._by_hash: dict[BlockHash, Block] = {}
-        self._children: dict[BlockHash, dict[BlockHash, Block]] = {}
-        self._next_id = 0
-        self.nbytes = 0
+        super().__init__(free_queue if free_queue is not None else FreeQueue())
 
-    def __len__(self) -> int:
-        return len(self._by_hash)
+    @staticmethod
+    def key_of(entry: Block) -> BlockHash:
+        return entry.hash
 
-    def __contains__(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._by_hash
-
-    def get(self, block_hash: BlockHash) -> Block | None:
-        return self._by_hash.get(block_hash)
+    @staticmethod
+    def group_of(entry: Block) -> BlockHash:
+        return entry.parent
 
     def children(self, parent: BlockHash) -> Collection[Block]:
-        return self._children.get(parent, {}).values()
+        return self.group(parent)
 
     def insert(
         self,
@@ -165,38 +230,11 @@ class BlockPool:
         nbytes: int,
     ) -> tuple[Block, bool]:
         """The block stored under `block_hash` and whether it is new; an existing one wins."""
-        block = self._by_hash.get(block_hash)
+        block = self._by_key.get(block_hash)
         if block is not None:
             assert block.tokens == tokens, f"hash collision or caller bug: {block!r} vs {tokens}"
             return block, False
         block = Block(self._next_id, block_hash, parent, tokens, payload, nbytes)
         self._next_id += 1
-        self._by_hash[block_hash] = block
-        self._children.setdefault(parent, {})[block_hash] = block
-        self.nbytes += nbytes
-        self.free_queue.append(block)
+        self._add(block)
         return block, True
-
-    def acquire(self, block: Block) -> None:
-        assert self._by_hash.get(block.hash) is block, f"acquire of evicted {block!r}"
-        pin(block, self.free_queue)
-
-    def release(self, block: Block) -> None:
-        assert self._by_hash.get(block.hash) is block, f"release of evicted {block!r}"
-        unpin(block, self.free_queue)
-
-    def refresh(self, block: Block) -> None:
-        refresh(block, self.free_queue)
-
-    def remove(self, block: Block) -> None:
-        """Forget an unreferenced block, queued or already popped from the queue."""
-        assert block.ref_cnt == 0, f"remove of referenced {block!r}"
-        assert self._by_hash.get(block.hash) is block, f"remove of unknown {block!r}"
-        if block.prev_free is not None:
-            self.free_queue.remove(block)
-        del self._by_hash[block.hash]
-        siblings = self._children[block.parent]
-        del siblings[block.hash]
-        if not siblings:
-            del self._children[block.parent]
-        self.nbytes -= block.nbytes
