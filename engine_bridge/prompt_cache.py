@@ -92,7 +92,9 @@ class CacheSession:
             )
             # Full blocks of this chain only: a paged hit that ends mid-block may end in a
             # sibling's block, which is not on the request's chain.
-            if self._promote(ram_only.length, ram_only.length // self.bs):
+            # RAM already reaching the last prompt token leaves the SSD nothing to add.
+            deeper = ram_only.length < len(self.tokens) - 1
+            if deeper and self._promote(ram_only.length, ram_only.length // self.bs):
                 source = "ssd"
         for _ in range(3):  # an eviction between match and acquire: look again
             match = owner.ram.match(
