@@ -11,7 +11,7 @@ import hashlib
 import logging
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -64,7 +64,6 @@ class LoadedModel:
     context_length: int
     cache_kind: CacheKind
     load_s: float
-    aliases: list[str] = field(default_factory=list)
 
 
 def resolve(spec: str, cache_dir: Path, lmstudio_dirs: list[Path]) -> ModelRef:

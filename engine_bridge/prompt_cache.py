@@ -18,7 +18,6 @@ from . import kv
 from .cache.checkpoints import REASONS
 from .cache.hashing import BlockHash, ExtraKeys, chain_root, checkpoint_key, hash_chain
 from .cache.manager import CacheManager, EntryKind
-from .cache.matching import Match
 from .models import LoadedModel
 from .runner import Job
 from .ssd_tier import SSDTier, Stored, scope_for
@@ -78,7 +77,6 @@ class CacheSession:
         self.tokens = job.prompt.tokens
         self._chain = hash_chain(self.tokens, self.bs, self.extra)
         self._stored_blocks = 0  # blocks [0, n) are known to be in the RAM tier
-        self._match: Match | None = None
 
     # -- restore ---------------------------------------------------------------------------
 
@@ -86,28 +84,28 @@ class CacheSession:
         owner = self.owner
         model = owner.loaded.model
         source: CacheSource = "ram"
-        if owner.ssd is not None:
-            ram_only = owner.ram.match(
-                self.tokens, self.extra, needs_checkpoint=owner.needs_checkpoint
-            )
-            # Full blocks of this chain only: a paged hit that ends mid-block may end in a
-            # sibling's block, which is not on the request's chain.
-            # RAM already reaching the last prompt token leaves the SSD nothing to add.
-            deeper = ram_only.length < len(self.tokens) - 1
-            if deeper and self._promote(ram_only.length, ram_only.length // self.bs):
+        match = owner.ram.match(self.tokens, self.extra, needs_checkpoint=owner.needs_checkpoint)
+        # RAM already reaching the last prompt token leaves the SSD nothing to add. Count
+        # full blocks of this chain only: a paged hit that ends mid-block may end in a
+        # sibling's block, which is not on the request's chain.
+        deeper = match.length < len(self.tokens) - 1
+        if owner.ssd is not None and deeper:
+            if self._promote(match.length, match.length // self.bs):
                 source = "ssd"
+                match = owner.ram.match(
+                    self.tokens, self.extra, needs_checkpoint=owner.needs_checkpoint
+                )
         for _ in range(3):  # an eviction between match and acquire: look again
+            if match.length == 0 or owner.ram.acquire(match):
+                break
             match = owner.ram.match(
                 self.tokens, self.extra, needs_checkpoint=owner.needs_checkpoint
             )
-            if match.length == 0 or owner.ram.acquire(match):
-                break
         else:
             match = None
         if match is None or match.length == 0:
             self._log_divergence(0)
             return make_prompt_cache(model), 0, "none"
-        self._match = match
         try:
             ckpt = match.checkpoint.payload.payload if match.checkpoint is not None else None
             blocks = [b.payload.payload for b in match.blocks]
@@ -210,9 +208,6 @@ class CacheSession:
         if position % self.bs == 0 and not self.owner.needs_checkpoint:
             return None  # the blocks already hold everything a paged model needs
         return reason  # prompt_end / generation_end
-
-    def close(self) -> None:
-        self._match = None
 
     # -- SSD tier --------------------------------------------------------------------------
 

@@ -48,8 +48,6 @@ class CacheSession(Protocol):
 
     def save(self, cache: list[Any], tokens: list[int], position: int, reason: str) -> None: ...
 
-    def close(self) -> None: ...
-
 
 @dataclass(slots=True)
 class Job:
@@ -57,7 +55,6 @@ class Job:
     prompt: RenderedPrompt
     max_tokens: int
     cancel: threading.Event = field(default_factory=threading.Event)
-    enqueued_at: float = field(default_factory=time.perf_counter)
 
 
 Event = PromptInfo | TokenEvent | GenerationResult
@@ -133,35 +130,31 @@ class Runner:
         start = time.perf_counter()
 
         session = self._session_factory(job) if self._session_factory and req.use_cache else None
-        try:
-            if session is not None:
-                cache, position, source = session.restore()
-            else:
-                cache, position, source = make_prompt_cache(model), 0, "none"
-            # `position` advances through the prefill; the hit is where it started.
-            cached = position
-            yield PromptInfo(len(tokens), cached, source)
+        if session is not None:
+            cache, position, source = session.restore()
+        else:
+            cache, position, source = make_prompt_cache(model), 0, "none"
+        # `position` advances through the prefill; the hit is where it started.
+        cached = position
+        yield PromptInfo(len(tokens), cached, source)
 
-            # Prefill all but the last prompt token; the last one yields the first logits.
-            stops = _prefill_stops(position, len(tokens) - 1, session)
-            for end in stops:
-                if job.cancel.is_set():
-                    break
-                model(mx.array(tokens[position:end])[None], cache=cache)
-                mx.eval([c.state for c in cache])
-                position = end
-                if session is not None:
-                    session.save(cache, tokens, position, "prefill")
+        # Prefill all but the last prompt token; the last one yields the first logits.
+        stops = _prefill_stops(position, len(tokens) - 1, session)
+        for end in stops:
             if job.cancel.is_set():
-                yield self._result(job, tokens, [], cached, source, "cancelled", start, None, "")
-                return
+                break
+            model(mx.array(tokens[position:end])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            position = end
             if session is not None:
-                session.save(cache, tokens, position, "prompt_end")
+                session.save(cache, tokens, position, "prefill")
+        if job.cancel.is_set():
+            yield self._result(job, tokens, [], cached, source, "cancelled", start, None, "")
+            return
+        if session is not None:
+            session.save(cache, tokens, position, "prompt_end")
 
-            yield from self._decode(job, cache, session, cached, source, start)
-        finally:
-            if session is not None:
-                session.close()
+        yield from self._decode(job, cache, session, cached, source, start)
 
     def _decode(self, job, cache, session, cached, source, start):
         model = self.loaded.model
