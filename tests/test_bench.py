@@ -13,6 +13,7 @@ from pydantic import TypeAdapter
 
 from proxy.bench import scenario_names, traces
 from proxy.bench.agent_tools import TOOL_NAMES
+from proxy.bench.ssd_reload import bench_startup, run
 
 REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 QUICK_SCENARIOS = ("chat", "agent", "share", "overhead", "restart")
@@ -159,6 +160,20 @@ def test_scenario_names_accept_commas_and_spaces_and_reject_unknown_ones():
     assert scenario_names(["chat,agent", "share"]) == ["chat", "agent", "share"]
     with pytest.raises(SystemExit, match="unknown scenario"):
         scenario_names(["chat,nope"])
+
+
+def test_ssd_startup_benchmark_runs_at_a_tiny_size(tmp_path):
+    result = bench_startup(tmp_path, 300)
+    assert result["entries"] == 300
+    print(result)
+
+
+def test_ssd_reload_benchmark_runs_at_a_tiny_size(tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_DIR", str(tmp_path))
+    result = run(entries=50, reload_entries=2, mb=1)
+    assert result["startup"]["entries"] == 50
+    assert set(result["reload"]) == {"cold_MBps", "warm_MBps"}
+    assert list(tmp_path.iterdir()) == []  # the temporary folder is gone
 
 
 @pytest.mark.slow

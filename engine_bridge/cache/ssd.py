@@ -184,14 +184,6 @@ class SSDStore:
         found = self._present(scope, kind, keys)
         return [k in found for k in keys]
 
-    def present_prefix(self, scope: Scope, kind: str, chain: Sequence[bytes]) -> int:
-        """How many leading hashes of a block chain are on disk."""
-        found = self._present(scope, kind, chain)
-        for i, key in enumerate(chain):
-            if key not in found:
-                return i
-        return len(chain)
-
     def get(
         self,
         scope: Scope,

@@ -107,9 +107,6 @@ class Writer:
         self._thread.join(timeout_s + 0.5)
         return not self._thread.is_alive()
 
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-
     def _run(self) -> None:
         try:
             self._startup()
