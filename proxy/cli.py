@@ -13,8 +13,6 @@ from typing import Any
 
 from aiohttp import web
 
-from . import bench
-
 log = logging.getLogger("proxy.cli")
 
 
@@ -60,11 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--cache-dir", type=Path, help="cache directory (default from config)")
     cache.add_argument("--model", help="clear: only this model fingerprint")
     cache.add_argument("--json", action="store_true", help="machine-readable output")
-    bench.add_parser(sub)
+    # Listed for --help only: main() hands `bench ARGS` to the bench package's own parser,
+    # so that serve never imports the benchmark.
+    sub.add_parser(
+        "bench", help="measure TTFT, hit ratio, restarts and memory against mlx_lm.server"
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
@@ -72,8 +79,6 @@ def main(argv: list[str] | None = None) -> int:
         return list_models(args)
     if args.command == "cache":
         return cache_command(args)
-    if args.command == "bench":
-        return bench.run(args)
     return 2
 
 

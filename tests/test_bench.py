@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 from pydantic import TypeAdapter
 
-from proxy.bench import scenario_names, traces
-from proxy.bench.agent_tools import TOOL_NAMES
-from proxy.bench.ssd_reload import bench_startup, run
+from bench import scenario_names, traces
+from bench.agent_tools import TOOL_NAMES
+from bench.ssd_reload import bench_startup, run
 
 REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 QUICK_SCENARIOS = ("chat", "agent", "share", "overhead", "restart")
@@ -160,6 +161,33 @@ def test_scenario_names_accept_commas_and_spaces_and_reject_unknown_ones():
     assert scenario_names(["chat,agent", "share"]) == ["chat", "agent", "share"]
     with pytest.raises(SystemExit, match="unknown scenario"):
         scenario_names(["chat,nope"])
+
+
+def test_serve_never_imports_the_bench_package(tmp_path):
+    code = (
+        "import sys; from proxy.cli import main;"
+        " assert main(['serve', '--print-config']) == 0;"
+        " loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'bench'"
+        " or m == 'engine_bridge.probes');"
+        " assert not loaded, loaded"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_PROMPT_CACHE_")}
+    env["HOME"] = str(tmp_path)  # no user config file
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "[server]" in proc.stdout
+
+
+def test_bench_help_comes_from_the_bench_parser():
+    proc = subprocess.run([sys.executable, "-m", "proxy.cli", "bench", "--help"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: mlx-prompt-cache bench ")
+    assert "--scenarios" in proc.stdout and "--shape" in proc.stdout
+    top = subprocess.run([sys.executable, "-m", "proxy.cli", "--help"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "bench" in top.stdout and "serve" in top.stdout
 
 
 def test_ssd_startup_benchmark_runs_at_a_tiny_size(tmp_path):

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from functools import lru_cache
 from hashlib import sha256
 from struct import Struct
-from time import perf_counter
 
 BLOCK_SIZE = 64
 HASH_BYTES = 32
@@ -111,20 +110,3 @@ def checkpoint_key(anchor: BlockHash, tail: Sequence[int]) -> BlockHash:
     """Identity of a checkpoint at `tail` tokens past `anchor`; never equal to a block hash."""
     return hash_block(anchor, tail, _CHECKPOINT_TAG)
 
-
-def benchmark_hash_chain(
-    n_tokens: int = 32_768, block_size: int = BLOCK_SIZE, repeats: int = 20
-) -> float:
-    """Best-of-`repeats` seconds for `hash_chain` over a list of `n_tokens` token ids."""
-    tokens = [(i * 2_654_435_761) % 151_936 for i in range(n_tokens)]
-    extra: ExtraKeys = (("model", "bench"),)
-    best = float("inf")
-    for _ in range(repeats):
-        start = perf_counter()
-        hash_chain(tokens, block_size, extra)
-        best = min(best, perf_counter() - start)
-    return best
-
-
-if __name__ == "__main__":
-    print(f"hash_chain, 32768 tokens: {benchmark_hash_chain() * 1e3:.3f} ms")

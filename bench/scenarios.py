@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from . import traces
-from .harness import Harness, Settings, bench_support, chars_per_token, stats
+from .harness import Harness, Settings, chars_per_token, probe, stats
 from .results import Row, ScenarioResult, mean, ratio, total
 from .servers import KINDS, ModelSpec
 
@@ -183,7 +183,7 @@ def share(settings: Settings, model: ModelSpec) -> ScenarioResult:
     mean_len = int(round(mean(lengths) or 0))
     one_copy = None
     if mean_len:
-        kv = bench_support("kv-bytes", str(model.path), str(mean_len))
+        kv = probe("kv-bytes", str(model.path), str(mean_len))
         one_copy = kv["bytes"][0]
         result.metrics |= {"one_copy_tokens": mean_len, "one_copy_held_bytes": kv["held_bytes"][0]}
     used = after - before if after is not None and before is not None else None

@@ -27,7 +27,7 @@ LABELS: dict[str, str] = {
     "mlx_lm": "mlx_lm.server",
 }
 READY_TIMEOUT_S = 300.0
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True, slots=True)

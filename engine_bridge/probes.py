@@ -1,6 +1,6 @@
 """The benchmark's in-process measurements, the only part of it that needs mlx.
 
-Run as `python -m engine_bridge.bench_support COMMAND ... --json-out FILE` by proxy.bench,
+Run as `python -m engine_bridge.probes COMMAND ... --json-out FILE` by the bench package,
 so the benchmark's own process never holds a model or mlx's threads while it times servers:
 - `demo NAME ROOT`: build a demo model, report its directory;
 - `shape NAME ROOT`: build a random-weight model with a real model's configuration;
@@ -268,7 +268,7 @@ def _used_bytes(cache: Any, mx: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine_bridge.bench_support")
+    p = argparse.ArgumentParser(prog="python -m engine_bridge.probes")
     p.add_argument("--json-out", type=Path, required=True)
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo")

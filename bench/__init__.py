@@ -18,12 +18,16 @@ SCENARIOS = ("chat", "agent", "restart", "share", "hybrid", "overhead")
 HYBRID_DEFAULT = ("demo-hybrid", "demo-swa")
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from engine_bridge.bench_support import SHAPES
+def main(argv: list[str] | None = None) -> int:
+    """`mlx-prompt-cache bench ARGS`: parse ARGS and run the scenarios they name."""
+    return run(build_parser().parse_args(argv))
 
-    p = subparsers.add_parser(
-        "bench",
-        help="measure TTFT, hit ratio, restarts and memory against mlx_lm.server",
+
+def build_parser() -> argparse.ArgumentParser:
+    from engine_bridge.probes import SHAPES
+
+    p = argparse.ArgumentParser(
+        prog="mlx-prompt-cache bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -99,15 +103,15 @@ def resolve_model(spec: str, models_dir: Path, shape: str | None = None):
     """A ModelSpec for a demo id, a shape to build, or an MLX model directory."""
     from engine_bridge.demo import is_demo_model
 
-    from .harness import bench_support
+    from .harness import probe
     from .servers import ModelSpec
 
     if shape:
-        built = bench_support("shape", shape, str(models_dir.parent))
+        built = probe("shape", shape, str(models_dir.parent))
         path = Path(built["path"])
         return ModelSpec(path.name, path, is_demo=False)
     if is_demo_model(spec):
-        built = bench_support("demo", spec, str(models_dir.parent))
+        built = probe("demo", spec, str(models_dir.parent))
         return ModelSpec(spec, Path(built["path"]), is_demo=True)
     path = Path(spec).expanduser().resolve()
     if not (path / "config.json").is_file():
@@ -123,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     names = scenario_names(args.scenarios)
     out: Path = args.out.resolve()
     models_dir = (args.models_dir or out / "models").resolve()
-    # bench_support builds demos and shapes under ROOT/models, like the proxy's cache dir.
+    # The probes build demos and shapes under ROOT/models, like the proxy's cache dir.
     if models_dir.name != "models":
         models_dir = models_dir / "models"
     started = time.perf_counter()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from . import traces
-from .harness import Harness, Settings, bench_support, chars_per_token
+from .harness import Harness, Settings, chars_per_token, probe
 from .results import Row, Sample, ScenarioResult, median, ratio
 from .servers import ModelSpec
 
@@ -38,7 +38,7 @@ def overhead(settings: Settings, model: ModelSpec) -> ScenarioResult:
     prompt_file.write_text(json.dumps(prompts))
     repeats = 3
     lookup_tokens = 32_768
-    measured = bench_support(
+    measured = probe(
         "overhead", str(model.path), str(prompt_file), "--repeats", str(repeats),
         "--lookup-tokens", str(lookup_tokens),
     )  # fmt: skip
