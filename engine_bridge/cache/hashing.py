@@ -109,4 +109,3 @@ def anchors(root: BlockHash, chain: Sequence[BlockHash], n: int) -> list[BlockHa
 def checkpoint_key(anchor: BlockHash, tail: Sequence[int]) -> BlockHash:
     """Identity of a checkpoint at `tail` tokens past `anchor`; never equal to a block hash."""
     return hash_block(anchor, tail, _CHECKPOINT_TAG)
-
