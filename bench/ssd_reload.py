@@ -22,6 +22,7 @@ from typing import Any
 
 from engine_bridge.cache import ssd_files
 from engine_bridge.cache.index import EntryRow, Index, Scope
+from engine_bridge.cache.kinds import EntryKind
 from engine_bridge.cache.ssd import SSDConfig, SSDStore
 from engine_bridge.cache.ssd_format import encode
 from engine_bridge.cache.tensors import HostTensor
@@ -42,13 +43,13 @@ def build_cache(root: Path, n: int, nbytes: int = 256) -> None:
     for i in range(n):
         k = key(i)
         head, chunks = encode(k, payload, {}, tokens=64, tags="", created=now)
-        path = ssd_files.entry_path(root, (SCOPE.model, SCOPE.tenant, "blocks", k))
+        path = ssd_files.entry_path(root, (SCOPE.model, SCOPE.tenant, EntryKind.BLOCK, k))
         if not path.parent.is_dir():
             ssd_files.makedirs_private(path.parent)
         with open(path, "wb") as f:
             f.write(head)
             f.writelines(chunks)
-        rows.append(EntryRow(SCOPE, "blocks", k, len(head) + nbytes, 64, now, now - i, ""))
+        rows.append(EntryRow(SCOPE, EntryKind.BLOCK, k, len(head) + nbytes, 64, now, now - i, ""))
         if len(rows) == 10_000:
             index.add(rows)
             rows = []
@@ -64,7 +65,7 @@ def bench_startup(root: Path, n: int) -> dict[str, float]:
         print(f"built {n} entries in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     t = time.perf_counter()
     store = SSDStore(SSDConfig(root=root, reconcile="background"))
-    first = store.contains_many(SCOPE, "blocks", [key(i) for i in range(min(n, 64))])
+    first = store.contains_many(SCOPE, EntryKind.BLOCK, [key(i) for i in range(min(n, 64))])
     ready = time.perf_counter() - t
     store.wait_reconciled(120)
     background = time.perf_counter() - t
@@ -86,7 +87,10 @@ def bench_reload(root: Path, entries: int = 16, mb: int = 64) -> dict[str, float
     store = SSDStore(SSDConfig(root=root, reconcile="sync", queue_size=entries + 1))
     for i in range(entries):
         store.put(
-            SCOPE, "blocks", key(i), {"x": HostTensor("U8", (mb << 20,), os.urandom(mb << 20))}
+            SCOPE,
+            EntryKind.BLOCK,
+            key(i),
+            {"x": HostTensor("U8", (mb << 20,), os.urandom(mb << 20))},
         )
         assert store.flush(120)
     out: dict[str, float | None] = {}
@@ -101,7 +105,7 @@ def bench_reload(root: Path, entries: int = 16, mb: int = 64) -> dict[str, float
                 os.close(fd)
         t = time.perf_counter()
         for i in range(entries):
-            assert store.get(SCOPE, "blocks", key(i)) is not None
+            assert store.get(SCOPE, EntryKind.BLOCK, key(i)) is not None
         out[f"{label}_MBps"] = entries * mb / (time.perf_counter() - t)
     store.close()
     return out

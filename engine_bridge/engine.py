@@ -16,11 +16,11 @@ import mlx.core as mx
 from . import discovery, kv, models
 from .cache.manager import CacheManager
 from .cache.ssd import SSDConfig, SSDStore
+from .cache.tiers import TieredCache
 from .demo import DEMO_MODEL_IDS
 from .prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule, render_chat, render_completion
 from .prompt_cache import CachePolicy, ModelCache
 from .runner import Event, Job, Runner
-from .ssd_tier import SSDTier
 from .types import EngineError, GenerationRequest, GenerationResult
 
 log = logging.getLogger("engine_bridge.engine")
@@ -56,7 +56,11 @@ class EngineSettings:
 
 @dataclass(slots=True)
 class RequestStats:
-    """Request-level accounting; the token hit ratio is cached / prompt tokens."""
+    """Request-level accounting, the one place requests are counted.
+
+    Bypassed requests and cache-less models stay out of the hits, misses and token counts
+    that the hit ratio (cached / prompt tokens) is made of.
+    """
 
     total: int = 0
     completed: int = 0
@@ -67,6 +71,7 @@ class RequestStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    hit_ratio: float = 0.0
     by_source: dict[str, int] = field(default_factory=lambda: {"ram": 0, "ssd": 0, "none": 0})
     last_cancelled_completion_tokens: int = 0
 
@@ -83,28 +88,12 @@ class RequestStats:
             return
         self.prompt_tokens += r.prompt_tokens
         self.cached_tokens += r.cached_tokens
+        self.hit_ratio = round(self.cached_tokens / self.prompt_tokens, 4)
         self.by_source[r.source] = self.by_source.get(r.source, 0) + 1
         if r.cached_tokens:
             self.hits += 1
         else:
             self.misses += 1
-
-    def as_dict(self) -> dict:
-        ratio = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-        return {
-            "total": self.total,
-            "completed": self.completed,
-            "cancelled": self.cancelled,
-            "bypassed": self.bypassed,
-            "hits": self.hits,
-            "misses": self.misses,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "completion_tokens": self.completion_tokens,
-            "hit_ratio": round(ratio, 4),
-            "by_source": dict(self.by_source),
-            "last_cancelled_completion_tokens": self.last_cancelled_completion_tokens,
-        }
 
 
 @dataclass(slots=True)
@@ -123,9 +112,9 @@ class Engine:
         self.requests = RequestStats()
         # The one thread that runs MLX work (loading, prefill, decode) for every model.
         self._mlx = ThreadPoolExecutor(1, thread_name_prefix="mlx")
-        self.ssd: SSDTier | None = None
+        ssd = None
         if settings.cache_enabled and settings.ssd_enabled:
-            store = SSDStore(
+            ssd = SSDStore(
                 SSDConfig(
                     root=settings.cache_dir,
                     max_bytes=settings.ssd_max_bytes,
@@ -133,12 +122,12 @@ class Engine:
                     queue_size=settings.ssd_queue_size,
                 )
             )
-            self.ssd = SSDTier(store, settings.ssd_write_through)
-        # One RAM tier for every model: the budget is the machine's, not a model's.
-        self.ram = CacheManager(
-            settings.ram_budget_bytes,
-            block_size=settings.cache_policy.block_size,
-            on_evict=self.ssd.on_evict if self.ssd is not None else None,
+        # One set of tiers for every model: the budget is the machine's, not a model's.
+        self.tiers = TieredCache(
+            CacheManager(settings.ram_budget_bytes, block_size=settings.cache_policy.block_size),
+            ssd,
+            kv.HostCodec(),
+            write_through=settings.ssd_write_through,
         )
         specs = list(settings.model_specs)
         if settings.serve_all_mlx:
@@ -207,7 +196,7 @@ class Engine:
         if not self.settings.cache_enabled:
             return None
         try:
-            cache = ModelCache(loaded, self.ram, self.settings.cache_policy, self.ssd)
+            cache = ModelCache(loaded, self.tiers, self.settings.cache_policy)
         except kv.UnsupportedCacheError as e:
             log.warning("prompt cache off for %s: %s", loaded.id, e)
             return None
@@ -263,36 +252,17 @@ class Engine:
         return len(prompt.tokens)
 
     def stats(self) -> dict:
-        req = self.requests.as_dict()
-        ram = self.ram.stats()
+        """What /v1/cache/stats shows: requests, then every tier's counters as they are."""
+        req = asdict(self.requests)
         return {
             "requests": req,
             "hits": req["hits"],
             "misses": req["misses"],
             "hit_ratio": req["hit_ratio"],
             "cache_enabled": self.settings.cache_enabled,
-            "ram": {
-                "blocks": ram.blocks,
-                "checkpoints": ram.checkpoints,
-                "bytes": ram.bytes,
-                "block_bytes": ram.block_bytes,
-                "checkpoint_bytes": ram.checkpoint_bytes,
-                "budget_bytes": ram.budget_bytes,
-                "pinned_bytes": ram.pinned_bytes,
-                "evicted_blocks": ram.evicted_blocks,
-                "evicted_checkpoints": ram.evicted_checkpoints,
-                "evicted_bytes": ram.evicted_bytes,
-                "dedupe_hits": ram.dedupe_hits,
-                "thinned_checkpoints": ram.thinned_checkpoints,
-            },
-            "ssd": self._ssd_stats(),
+            **asdict(self.tiers.stats()),
             "models": self.model_ids,
         }
-
-    def _ssd_stats(self) -> dict | None:
-        if self.ssd is None:
-            return None
-        return asdict(self.ssd.store.stats())
 
     async def _on_mlx(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._mlx, fn, *args)
@@ -300,6 +270,5 @@ class Engine:
     async def close(self) -> None:
         # Waits for the generation in progress; queued ones see their cancel flag.
         await asyncio.to_thread(self._mlx.shutdown, True)
-        if self.ssd is not None:
-            # Drain queued writes (bounded), so a clean shutdown loses nothing computed.
-            await asyncio.to_thread(self.ssd.close, self.settings.ssd_drain_s)
+        # Drain queued writes (bounded), so a clean shutdown loses nothing computed.
+        await asyncio.to_thread(self.tiers.close, self.settings.ssd_drain_s)

@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from .cache.kinds import SavePoint
 from .logctx import request_id
 from .models import LoadedModel
 from .prompt import RenderedPrompt
@@ -46,7 +47,9 @@ class CacheSession(Protocol):
 
     def stop_points(self) -> list[int]: ...
 
-    def save(self, cache: list[Any], tokens: list[int], position: int, reason: str) -> None: ...
+    def save(
+        self, cache: list[Any], tokens: list[int], position: int, point: SavePoint
+    ) -> None: ...
 
 
 @dataclass(slots=True)
@@ -147,12 +150,12 @@ class Runner:
             mx.eval([c.state for c in cache])
             position = end
             if session is not None:
-                session.save(cache, tokens, position, "prefill")
+                session.save(cache, tokens, position, SavePoint.PREFILL)
         if job.cancel.is_set():
             yield self._result(job, tokens, [], cached, source, "cancelled", start, None, "")
             return
         if session is not None:
-            session.save(cache, tokens, position, "prompt_end")
+            session.save(cache, tokens, position, SavePoint.PROMPT_END)
 
         yield from self._decode(job, cache, session, cached, source, start)
 
@@ -213,7 +216,7 @@ class Runner:
         if session is not None and out:
             # The cache holds the prompt plus every generated token but the last, which
             # was sampled and never fed back.
-            session.save(cache, prompt + out, len(prompt) + len(out) - 1, "generation_end")
+            session.save(cache, prompt + out, len(prompt) + len(out) - 1, SavePoint.GENERATION_END)
         result = self._result(job, prompt, out, cached, source, finish, start, ttft, stopper.text)
         result.stop_string = stopper.matched
         yield result

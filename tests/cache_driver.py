@@ -154,8 +154,8 @@ class Driver:
 
     def flush_ssd(self) -> None:
         """Wait until the SSD tier has written everything queued so far."""
-        if self.engine.ssd is not None:
-            assert self.engine.ssd.store.flush(30.0)
+        if self.engine.tiers.ssd is not None:
+            assert self.engine.tiers.ssd.flush(30.0)
 
 
 @dataclass(slots=True)

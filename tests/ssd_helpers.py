@@ -11,6 +11,7 @@ import pytest
 
 from engine_bridge.cache import ssd_files
 from engine_bridge.cache.index import Index, Scope
+from engine_bridge.cache.kinds import EntryKind
 from engine_bridge.cache.ssd import SSDConfig, SSDStore
 from engine_bridge.cache.tensors import HostTensor
 
@@ -40,7 +41,7 @@ def open_store(root: Path, **kw) -> SSDStore:
 
 
 def write(store: SSDStore, k: bytes, t: dict[str, HostTensor], scope: Scope = SCOPE, **kw) -> None:
-    assert store.put(scope, "blocks", k, t, {"layers": "2"}, **kw) == "queued"
+    assert store.put(scope, EntryKind.BLOCK, k, t, {"layers": "2"}, **kw) == "queued"
     assert store.flush(10.0)
 
 

@@ -59,7 +59,7 @@ class Conversation:
         self.driver = driver
         self.model = model
         self.tenant = f"t{next(_tenants)}"
-        self.hits = HitModel(driver.has_snapshots(model), ssd=driver.engine.ssd is not None)
+        self.hits = HitModel(driver.has_snapshots(model), ssd=driver.engine.tiers.ssd is not None)
 
     def cancel(self, messages, *, at: int) -> Outcome:
         """A request whose client goes away once prefill has passed token `at`."""

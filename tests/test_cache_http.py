@@ -361,7 +361,7 @@ def test_a_tiny_ram_budget_evicts_and_answers_stay_equal_to_bypass(demo_root, tm
                     warm = driver.generate(model, messages)
                     assert warm.text == driver.bypass(model, messages).text
                     sources.append((warm.source, len(warm.tokens) - 1 - warm.cached))
-                    ram = driver.engine.ram.stats()
+                    ram = driver.engine.tiers.ram.stats()
                     assert ram.bytes <= budget
             driver.flush_ssd()
         assert ram.evicted_blocks > 0 and ram.evicted_checkpoints > 0

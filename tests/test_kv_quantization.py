@@ -58,7 +58,7 @@ def _run(model_dir, bits: int) -> tuple[GenerationResult, int, int]:
         try:
             await _ask(engine, "What is a block?")
             second = await _ask(engine, "What is a checkpoint?")
-            ram = engine.ram.stats()
+            ram = engine.tiers.ram.stats()
             return second, ram.block_bytes, ram.blocks
         finally:
             await engine.close()

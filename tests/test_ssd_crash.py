@@ -22,6 +22,7 @@ from ssd_helpers import (
 )
 
 from engine_bridge.cache import ssd_files
+from engine_bridge.cache.kinds import EntryKind
 from engine_bridge.cache.tensors import HostTensor
 
 CHILD = """
@@ -29,6 +30,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})
 from engine_bridge.cache.index import Scope
+from engine_bridge.cache.kinds import EntryKind
 from engine_bridge.cache.ssd import SSDConfig, SSDStore
 {helpers}
 SCOPE = Scope("model-a")
@@ -36,7 +38,7 @@ store = SSDStore(SSDConfig(root=Path(sys.argv[1])))
 start = int(sys.argv[2])
 for i in range(start, start + 100_000):
     n = i if i % 3 else i - 7  # every third put repeats an older entry
-    store.put(SCOPE, "blocks", key(n), crash_payload(n), {{"i": str(n)}}, tokens=n)
+    store.put(SCOPE, EntryKind.BLOCK, key(n), crash_payload(n), {{"i": str(n)}}, tokens=n)
     if i == start + 2:
         store.flush()
         print("ready", flush=True)
@@ -83,7 +85,7 @@ def test_kill_9_never_leaves_a_torn_or_unindexed_entry(tmp_path):
         assert {r.rid for r in rows} == on_disk  # index and files agree exactly
         assert temp_files(root) == [] and quarantined(root) == []
         for row in rows:
-            entry = store.get(SCOPE, "blocks", row.key)
+            entry = store.get(SCOPE, EntryKind.BLOCK, row.key)
             assert entry is not None, row.key.hex()
             n = int(entry.meta["i"])
             assert row.key == key(n) and row.tokens == n

@@ -24,6 +24,7 @@ from ssd_helpers import (
     write,
 )
 
+from engine_bridge.cache.kinds import EntryKind
 from engine_bridge.cache.ssd_format import FormatError, encode, parse_header, read_entry
 from engine_bridge.cache.tensors import DTYPE_SIZES, HostTensor
 
@@ -42,7 +43,7 @@ def test_round_trip_is_bit_exact_for_f32_bf16_u32(store, tmp_path):
         "empty": HostTensor("F32", (0, 4), b""),
     }
     write(store, key(1), t, tokens=64, tags="session-1")
-    entry = store.get(SCOPE, "blocks", key(1))
+    entry = store.get(SCOPE, EntryKind.BLOCK, key(1))
     assert entry is not None
     assert as_bytes(entry.tensors) == as_bytes(t)
     assert entry.meta == {"layers": "2"}
@@ -56,11 +57,11 @@ def test_round_trip_is_bit_exact_for_f32_bf16_u32(store, tmp_path):
 def test_multi_leaf_entry_is_verified_in_every_leaf(store, tmp_path, offset_mib):
     big = {"x": HostTensor("U8", (3 << 20,), random.Random(7).randbytes(3 << 20))}
     write(store, key(7), big)
-    assert as_bytes(store.get(SCOPE, "blocks", key(7)).tensors) == as_bytes(big)
+    assert as_bytes(store.get(SCOPE, EntryKind.BLOCK, key(7)).tensors) == as_bytes(big)
     path = path_of(tmp_path, key(7))
     data_start = path.stat().st_size - (3 << 20)
     flip(path, data_start + int(offset_mib * (1 << 20)))
-    assert store.get(SCOPE, "blocks", key(7)) is None
+    assert store.get(SCOPE, EntryKind.BLOCK, key(7)) is None
     assert store.stats().quarantined == 1
 
 

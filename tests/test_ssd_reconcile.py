@@ -27,6 +27,8 @@ from ssd_helpers import (
     write,
 )
 
+from engine_bridge.cache.kinds import EntryKind
+
 # ---- reconcile ----------------------------------------------------------------------
 
 
@@ -54,11 +56,11 @@ def test_reconcile_drops_rows_adopts_orphans_and_removes_temps(tmp_path):
     store = open_store(tmp_path)
     report = store.reconcile()  # the constructor ran one already; this one finds nothing
     assert (report.rows_dropped, report.adopted, report.temps_removed) == (0, 0, 0)
-    assert store.contains_many(SCOPE, "blocks", [key(i) for i in range(4)]) == [
+    assert store.contains_many(SCOPE, EntryKind.BLOCK, [key(i) for i in range(4)]) == [
         False, True, True, True,
     ]  # fmt: skip
     assert not dead_temp.exists() and live_temp.exists()
-    adopted = store.get(SCOPE, "blocks", key(1))
+    adopted = store.get(SCOPE, EntryKind.BLOCK, key(1))
     assert adopted is not None and as_bytes(adopted.tensors) == as_bytes(tensors(1))
     store.close()
     rows = {r.key: r for r in index_rows(tmp_path)}
@@ -93,7 +95,7 @@ def test_lost_index_is_rebuilt_from_files(tmp_path):
         p.unlink()
     store = open_store(tmp_path)
     assert store.stats().entries == 5
-    assert all(store.get(SCOPE, "blocks", key(i)) is not None for i in range(5))
+    assert all(store.get(SCOPE, EntryKind.BLOCK, key(i)) is not None for i in range(5))
     store.close()
 
 
@@ -104,7 +106,7 @@ def test_background_reconcile_serves_at_once_and_adopts_later(tmp_path):
     _drop_row(tmp_path, key(1))
     store = open_store(tmp_path, reconcile="background")
     assert store.wait_reconciled(10)
-    assert store.contains_many(SCOPE, "blocks", [key(1)]) == [True]
+    assert store.contains_many(SCOPE, EntryKind.BLOCK, [key(1)]) == [True]
     store.close()
 
 
@@ -168,15 +170,15 @@ def test_damaged_file_is_a_miss_and_quarantined_on_read(store, tmp_path, how):
     write(store, key(1), tensors(1))
     write(store, key(2), tensors(1))  # same shapes: same size file, different key
     _damage(path_of(tmp_path, key(1)), how, other=path_of(tmp_path, key(2)))
-    assert store.get(SCOPE, "blocks", key(1)) is None
-    assert store.contains_many(SCOPE, "blocks", [key(1)]) == [False]
+    assert store.get(SCOPE, EntryKind.BLOCK, key(1)) is None
+    assert store.contains_many(SCOPE, EntryKind.BLOCK, [key(1)]) == [False]
     assert not path_of(tmp_path, key(1)).exists()
     expect = 0 if how == "delete" else 1
     assert (store.stats().quarantined, len(quarantined(tmp_path))) == (expect, expect)
-    assert store.get(SCOPE, "blocks", key(1)) is None  # a second read is a plain miss
+    assert store.get(SCOPE, EntryKind.BLOCK, key(1)) is None  # a second read is a plain miss
     # The entry can be written again, and then reads fine.
     write(store, key(1), tensors(1))
-    assert as_bytes(store.get(SCOPE, "blocks", key(1)).tensors) == as_bytes(tensors(1))
+    assert as_bytes(store.get(SCOPE, EntryKind.BLOCK, key(1)).tensors) == as_bytes(tensors(1))
 
 
 @pytest.mark.parametrize("how", [d for d in DAMAGES if d not in ("delete", "other_entrys_file")])
@@ -188,5 +190,5 @@ def test_damaged_orphan_is_quarantined_at_startup(tmp_path, how):
     _damage(path_of(tmp_path, key(1)), how, other=tmp_path)
     store = open_store(tmp_path)
     assert store.stats().quarantined == 1 and store.stats().entries == 0
-    assert store.get(SCOPE, "blocks", key(1)) is None
+    assert store.get(SCOPE, EntryKind.BLOCK, key(1)) is None
     store.close()

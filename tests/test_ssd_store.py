@@ -26,6 +26,7 @@ from ssd_helpers import (
 )
 
 from engine_bridge.cache.index import Scope
+from engine_bridge.cache.kinds import EntryKind
 from engine_bridge.cache.ssd import offline_clear, offline_ls, offline_stats
 
 # ---- lookup -------------------------------------------------------------------------
@@ -34,10 +35,17 @@ from engine_bridge.cache.ssd import offline_clear, offline_ls, offline_stats
 def test_contains_many_follows_the_disk(store):
     chain = [key(i) for i in range(6)]
     for i in (0, 1, 2, 4):
-        store.put(SCOPE, "blocks", chain[i], tensors(i))
+        store.put(SCOPE, EntryKind.BLOCK, chain[i], tensors(i))
     assert store.flush()
-    assert store.contains_many(SCOPE, "blocks", chain) == [True, True, True, False, True, False]
-    assert store.get(SCOPE, "blocks", chain[3]) is None
+    assert store.contains_many(SCOPE, EntryKind.BLOCK, chain) == [
+        True,
+        True,
+        True,
+        False,
+        True,
+        False,
+    ]
+    assert store.get(SCOPE, EntryKind.BLOCK, chain[3]) is None
     assert (store.stats().hits, store.stats().misses) == (0, 1)
 
 
@@ -47,7 +55,7 @@ def test_failed_read_hands_the_reservation_back(store, tmp_path):
     ledger = []
     got = store.get(
         SCOPE,
-        "blocks",
+        EntryKind.BLOCK,
         key(1),
         reserve=lambda n: ledger.append(n) or True,
         release=lambda n: ledger.append(-n),
@@ -75,7 +83,7 @@ class Budget:
 
 def test_concurrent_promotions_never_exceed_the_budget(store):
     for i in range(8):
-        store.put(SCOPE, "blocks", key(i), tensors(i, 64 * 1024))
+        store.put(SCOPE, EntryKind.BLOCK, key(i), tensors(i, 64 * 1024))
     assert store.flush()
     sizes = [path_of(store.root, key(i)).stat().st_size for i in range(8)]
     budget = Budget(3 * max(sizes) + min(sizes) // 2)
@@ -84,7 +92,7 @@ def test_concurrent_promotions_never_exceed_the_budget(store):
 
     def promote(i: int) -> None:
         barrier.wait()
-        results[i] = store.get(SCOPE, "blocks", key(i), reserve=budget.reserve)
+        results[i] = store.get(SCOPE, EntryKind.BLOCK, key(i), reserve=budget.reserve)
 
     threads = [threading.Thread(target=promote, args=(i,)) for i in range(8)]
     for t in threads:
@@ -111,7 +119,7 @@ def test_refused_reservation_reads_nothing(store, tmp_path, monkeypatch):
         return real_open(path, *args, **kw)
 
     monkeypatch.setattr(os, "open", spy)
-    assert store.get(SCOPE, "blocks", key(1), reserve=lambda n: False) is None
+    assert store.get(SCOPE, EntryKind.BLOCK, key(1), reserve=lambda n: False) is None
     assert opened == [] and store.stats().promotion_failures == 1
 
 
@@ -126,9 +134,9 @@ def test_capacity_evicts_least_recently_used(tmp_path):
     store = open_store(tmp_path / "c", max_bytes=3 * size + size // 2)
     for name in "abc":
         write(store, key(name), tensors(1))
-    assert store.get(SCOPE, "blocks", key("a")) is not None  # a is now fresher than b
+    assert store.get(SCOPE, EntryKind.BLOCK, key("a")) is not None  # a is now fresher than b
     write(store, key("d"), tensors(1))
-    assert store.contains_many(SCOPE, "blocks", [key(n) for n in "abcd"]) == [
+    assert store.contains_many(SCOPE, EntryKind.BLOCK, [key(n) for n in "abcd"]) == [
         True,
         False,
         True,
@@ -155,7 +163,7 @@ def test_ttl_expires_unused_entries_at_startup(tmp_path):
     store = open_store(tmp_path, ttl_s=3600, reconcile="off")
     report = store.reconcile()
     assert report.expired == 1
-    assert store.contains_many(SCOPE, "blocks", [key(1), key(2)]) == [False, True]
+    assert store.contains_many(SCOPE, EntryKind.BLOCK, [key(1), key(2)]) == [False, True]
     assert not path_of(tmp_path, key(1)).exists()
     store.close()
 
@@ -165,7 +173,7 @@ def test_ttl_is_enforced_periodically(tmp_path):
     write(store, key(1), tensors(1))
     _age(tmp_path, key(1), 7200)
     deadline = time.monotonic() + 10
-    while store.contains_many(SCOPE, "blocks", [key(1)])[0] and time.monotonic() < deadline:
+    while store.contains_many(SCOPE, EntryKind.BLOCK, [key(1)])[0] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert store.stats().expired == 1 and not path_of(tmp_path, key(1)).exists()
     store.close()
@@ -185,16 +193,16 @@ def test_disk_full_disables_writes_with_one_warning(store, tmp_path, monkeypatch
 
     monkeypatch.setattr(os, "write", disk_full)
     with caplog.at_level(logging.WARNING, logger="engine_bridge.cache.ssd"):
-        assert store.put(SCOPE, "blocks", key(1), tensors(1)) == "queued"
-        assert store.put(SCOPE, "blocks", key(2), tensors(2)) == "queued"
+        assert store.put(SCOPE, EntryKind.BLOCK, key(1), tensors(1)) == "queued"
+        assert store.put(SCOPE, EntryKind.BLOCK, key(2), tensors(2)) == "queued"
         assert store.flush()
-        assert store.put(SCOPE, "blocks", key(3), tensors(3)) == "disabled"
+        assert store.put(SCOPE, EntryKind.BLOCK, key(3), tensors(3)) == "disabled"
     stats = store.stats()
     assert stats.disabled and "No space left" in stats.disabled_reason
     assert (stats.writes, stats.disabled_drops) == (1, 2)
     assert [r.levelname for r in caplog.records if "disabled" in r.message] == ["WARNING"]
     assert temp_files(tmp_path) == []
-    assert store.get(SCOPE, "blocks", key(0)) is not None  # reads still served
+    assert store.get(SCOPE, EntryKind.BLOCK, key(0)) is not None  # reads still served
 
 
 def test_read_only_folder_disables_writes_reads_still_work(store, tmp_path, monkeypatch, caplog):
@@ -216,13 +224,13 @@ def test_read_only_folder_disables_writes_reads_still_work(store, tmp_path, monk
     monkeypatch.setattr(os, "open", ro_open)
     monkeypatch.setattr(os, "mkdir", ro_mkdir)
     with caplog.at_level(logging.WARNING, logger="engine_bridge.cache.ssd"):
-        assert store.put(SCOPE, "blocks", key(1), tensors(1)) == "queued"
+        assert store.put(SCOPE, EntryKind.BLOCK, key(1), tensors(1)) == "queued"
         assert store.flush()
     stats = store.stats()
     assert stats.disabled and "Read-only file system" in stats.disabled_reason
     assert len([r for r in caplog.records if "disabled" in r.message]) == 1
-    assert store.get(SCOPE, "blocks", key(0)) is not None
-    assert store.put(SCOPE, "blocks", key(2), tensors(2)) == "disabled"
+    assert store.get(SCOPE, EntryKind.BLOCK, key(0)) is not None
+    assert store.put(SCOPE, EntryKind.BLOCK, key(2), tensors(2)) == "disabled"
 
 
 def test_unusable_root_starts_disabled_and_never_raises(tmp_path, caplog):
@@ -230,9 +238,9 @@ def test_unusable_root_starts_disabled_and_never_raises(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="engine_bridge.cache.ssd"):
         store = open_store(tmp_path / "a-file" / "cache")
     assert store.stats().disabled
-    assert store.put(SCOPE, "blocks", key(1), tensors(1)) == "disabled"
-    assert store.get(SCOPE, "blocks", key(1)) is None
-    assert store.contains_many(SCOPE, "blocks", [key(1)]) == [False]
+    assert store.put(SCOPE, EntryKind.BLOCK, key(1), tensors(1)) == "disabled"
+    assert store.get(SCOPE, EntryKind.BLOCK, key(1)) is None
+    assert store.contains_many(SCOPE, EntryKind.BLOCK, [key(1)]) == [False]
     assert store.reconcile().adopted == 0
     store.close()
     assert len([r for r in caplog.records if "disabled" in r.message]) == 1
@@ -246,7 +254,9 @@ def _populate(root: Path) -> None:
     write(store, key(1), tensors(1), tokens=64)
     write(store, key(2), tensors(2), tokens=128)
     write(store, key(3), tensors(3), scope=Scope("model-a", "t2"), tokens=64)
-    assert store.put(Scope("model-b"), "checkpoints", key(4), tensors(4), tokens=7) == "queued"
+    assert (
+        store.put(Scope("model-b"), EntryKind.CHECKPOINT, key(4), tensors(4), tokens=7) == "queued"
+    )
     store.close()
 
 
@@ -294,9 +304,9 @@ def test_offline_clear_beside_a_running_store(tmp_path):
     write(store, key(1), tensors(1))
     write(store, key(2), tensors(2))
     assert offline_clear(tmp_path) == 2
-    assert store.get(SCOPE, "blocks", key(1)) is None  # a miss, not an error
+    assert store.get(SCOPE, EntryKind.BLOCK, key(1)) is None  # a miss, not an error
     assert store.stats().entries == 0
     write(store, key(3), tensors(3))  # and the store keeps working
-    assert store.get(SCOPE, "blocks", key(3)) is not None
+    assert store.get(SCOPE, EntryKind.BLOCK, key(3)) is not None
     assert offline_stats(tmp_path)["entries"] == 1
     store.close()

@@ -18,6 +18,7 @@ from ssd_helpers import (
 
 from engine_bridge.cache import ssd_files
 from engine_bridge.cache.index import Scope
+from engine_bridge.cache.kinds import EntryKind
 
 # ---- dedupe and queue ---------------------------------------------------------------
 
@@ -27,12 +28,12 @@ def test_same_entry_is_written_once(store, tmp_path, monkeypatch):
     gate = threading.Event()
     real = ssd_files.write_atomic
     monkeypatch.setattr(ssd_files, "write_atomic", lambda p, c: (gate.wait(10), real(p, c)))
-    assert store.put(SCOPE, "blocks", key(5), t) == "queued"
-    assert store.put(SCOPE, "blocks", key(5), t) == "duplicate"  # already queued
+    assert store.put(SCOPE, EntryKind.BLOCK, key(5), t) == "queued"
+    assert store.put(SCOPE, EntryKind.BLOCK, key(5), t) == "duplicate"  # already queued
     gate.set()
     assert store.flush()
     mtime = path_of(tmp_path, key(5)).stat().st_mtime_ns
-    assert store.put(SCOPE, "blocks", key(5), t, reason="spill") == "queued"
+    assert store.put(SCOPE, EntryKind.BLOCK, key(5), t, reason="spill") == "queued"
     assert store.flush()
     stats = store.stats()
     assert (stats.writes, stats.dedup_skips, stats.entries) == (1, 2, 1)
@@ -51,7 +52,7 @@ def test_full_queue_drops_and_counts_without_blocking(tmp_path, monkeypatch):
     # In a thread, so that a put that blocked would fail the join below, not hang the suite.
     worker = threading.Thread(
         target=lambda: outcomes.extend(
-            store.put(SCOPE, "blocks", key(i), tensors(i)) for i in range(6)
+            store.put(SCOPE, EntryKind.BLOCK, key(i), tensors(i)) for i in range(6)
         )
     )
     worker.start()
@@ -72,7 +73,7 @@ def test_queue_byte_bound_drops_large_backlog(tmp_path, monkeypatch):
     real = ssd_files.write_atomic
     monkeypatch.setattr(ssd_files, "write_atomic", lambda p, c: (gate.wait(10), real(p, c)))
     store = open_store(tmp_path, queue_max_bytes=10_000)
-    got = [store.put(SCOPE, "blocks", key(i), tensors(i, 4096)) for i in range(4)]
+    got = [store.put(SCOPE, EntryKind.BLOCK, key(i), tensors(i, 4096)) for i in range(4)]
     assert got == ["queued", "queued", "dropped", "dropped"]
     gate.set()
     store.close()
@@ -97,7 +98,7 @@ def test_spills_and_write_throughs_are_counted_apart(store):
 def test_close_drains_the_queue(tmp_path):
     store = open_store(tmp_path, queue_size=64)
     for i in range(20):
-        assert store.put(SCOPE, "blocks", key(i), tensors(i)) == "queued"
+        assert store.put(SCOPE, EntryKind.BLOCK, key(i), tensors(i)) == "queued"
     store.close(timeout_s=30)
     store = open_store(tmp_path)
     assert store.stats().entries == 20
@@ -110,7 +111,7 @@ def test_close_is_bounded_when_the_disk_stalls(tmp_path, monkeypatch):
     monkeypatch.setattr(ssd_files, "write_atomic", lambda p, c: (gate.wait(10), real(p, c)))
     store = open_store(tmp_path)
     for i in range(5):
-        store.put(SCOPE, "blocks", key(i), tensors(i))
+        store.put(SCOPE, EntryKind.BLOCK, key(i), tensors(i))
     start = time.monotonic()
     store.close(timeout_s=0.2)
     assert time.monotonic() - start < 5  # generous: the point is that it returns at all
@@ -118,4 +119,4 @@ def test_close_is_bounded_when_the_disk_stalls(tmp_path, monkeypatch):
     store.close(timeout_s=10)  # a second close waits for the writer thread to finish
     stats = store.stats()
     assert (stats.writes, stats.queue_drops, stats.queued) == (1, 4, 0)
-    assert store.put(SCOPE, "blocks", key(9), tensors(9)) == "disabled"
+    assert store.put(SCOPE, EntryKind.BLOCK, key(9), tensors(9)) == "disabled"

@@ -16,21 +16,20 @@ memory budget then evicts by LRU like any other entry.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import ClassVar
 
-from engine_bridge.cache.hashing import BlockHash, checkpoint_key
+from engine_bridge.cache.hashing import BlockHash, Chain, checkpoint_key
+from engine_bridge.cache.kinds import EntryKind, Reason
 from engine_bridge.cache.pool import GroupedStore, Linked
-
-Reason = Literal["periodic", "boundary", "prompt_end", "generation_end"]
-REASONS: frozenset[str] = frozenset(get_args(Reason))
 
 
 @dataclass(slots=True, eq=False)
 class Checkpoint:
     """State at exactly `position` tokens: `tail` tokens past the full blocks under `anchor`."""
 
+    kind: ClassVar[EntryKind] = EntryKind.CHECKPOINT
     ckpt_id: int
     key: BlockHash
     anchor: BlockHash
@@ -77,12 +76,12 @@ class CheckpointStore(GroupedStore):
 
         A boundary reason upgrades an existing periodic checkpoint so thinning spares it.
         """
-        assert reason in REASONS, f"checkpoint reason {reason!r} not in {sorted(REASONS)}"
+        assert isinstance(reason, Reason), f"checkpoint reason {reason!r} is not a Reason"
         key = checkpoint_key(anchor, tail)
         ckpt = self._by_key.get(key)
         if ckpt is not None:
             assert ckpt.position == position, f"{ckpt!r} found for position {position}"
-            if ckpt.reason == "periodic":
+            if ckpt.reason is Reason.PERIODIC:
                 ckpt.reason = reason
             return ckpt, False
         ckpt = Checkpoint(self._next_id, key, anchor, tail, position, reason, payload, nbytes)
@@ -90,23 +89,15 @@ class CheckpointStore(GroupedStore):
         self._add(ckpt)
         return ckpt, True
 
-    def thin(
-        self,
-        path_anchors: Sequence[BlockHash],
-        tokens: tuple[int, ...],
-        newest: Checkpoint,
-        block_size: int,
-    ) -> list[Checkpoint]:
-        """Remove unreferenced periodic checkpoints before `newest` on its path (module doc).
-
-        `path_anchors[i]` is the anchor of block i of `tokens`, for blocks 0..newest's.
-        """
+    def thin(self, chain: Chain, newest: Checkpoint) -> list[Checkpoint]:
+        """Remove unreferenced periodic checkpoints before `newest` on `chain` (module doc)."""
         thinned = []
-        for i, anchor in enumerate(path_anchors):
-            start = i * block_size
+        tokens, bs = chain.tokens, chain.block_size
+        for i, anchor in enumerate(chain.anchors(newest.position // bs)):
+            start = i * bs
             for ckpt in list(self.at(anchor)):
                 if (
-                    ckpt.reason == "periodic"
+                    ckpt.reason is Reason.PERIODIC
                     and ckpt.ref_cnt == 0
                     and ckpt.position < newest.position
                     and tokens[start : start + len(ckpt.tail)] == ckpt.tail

@@ -100,12 +100,63 @@ def hash_chain(
     return chain
 
 
-def anchors(root: BlockHash, chain: Sequence[BlockHash], n: int) -> list[BlockHash]:
-    """The anchors of positions in blocks 0..n: the root, then the first n chain hashes."""
-    assert 0 <= n <= len(chain), f"{n} anchors asked of a {len(chain)}-block chain"
-    return [root, *chain[:n]]
-
-
 def checkpoint_key(anchor: BlockHash, tail: Sequence[int]) -> BlockHash:
     """Identity of a checkpoint at `tail` tokens past `anchor`; never equal to a block hash."""
     return hash_block(anchor, tail, _CHECKPOINT_TAG)
+
+
+class Chain:
+    """A request's tokens and the hashes of their full blocks, computed once per request.
+
+    Every tier looks up and stores by these hashes (vLLM's `request.block_hashes`); `extend`
+    hashes only the blocks that new tokens complete, so a generation's save stays linear.
+    """
+
+    __slots__ = ("tokens", "hashes", "root", "block_size", "extra_keys")
+
+    def __init__(
+        self, tokens: Sequence[int], block_size: int = BLOCK_SIZE, extra_keys: ExtraKeys = ()
+    ) -> None:
+        self.tokens: tuple[int, ...] = tuple(tokens)
+        self.block_size = block_size
+        self.extra_keys = extra_keys
+        self.root = chain_root(extra_keys)
+        self.hashes: list[BlockHash] = hash_chain(self.tokens, block_size, extra_keys)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"Chain(tokens={len(self.tokens)}, blocks={len(self.hashes)}, bs={self.block_size})"
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append `tokens`, hashing the blocks they complete."""
+        if not tokens:
+            return
+        bs = self.block_size
+        done = len(self.hashes) * bs
+        self.tokens += tuple(tokens)
+        parent = self.hashes[-1] if self.hashes else self.root
+        count = _U32.pack(bs)
+        view = memoryview(pack_tokens(self.tokens[done:]))
+        for start in range(0, (len(self.tokens) - done) // bs * bs * 4, bs * 4):
+            parent = _digest(parent, count, view[start : start + bs * 4], _NO_EXTRA, b"")
+            self.hashes.append(parent)
+
+    def anchor(self, block: int) -> BlockHash:
+        """What positions inside block `block` hang from: the previous block's hash, or the root."""
+        assert 0 <= block <= len(self.hashes), f"anchor of block {block} of {len(self.hashes)}"
+        return self.root if block == 0 else self.hashes[block - 1]
+
+    def anchors(self, n: int) -> list[BlockHash]:
+        """The anchors of blocks 0..n."""
+        assert 0 <= n <= len(self.hashes), f"{n} anchors asked of {len(self.hashes)} blocks"
+        return [self.root, *self.hashes[:n]]
+
+    def tail(self, position: int) -> tuple[int, ...]:
+        """The tokens from the start of `position`'s block up to `position`."""
+        return self.tokens[position - position % self.block_size : position]
+
+    def checkpoint_key(self, position: int) -> BlockHash:
+        """The key a checkpoint at `position` of this chain is stored under."""
+        return checkpoint_key(self.anchor(position // self.block_size), self.tail(position))

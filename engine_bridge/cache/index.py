@@ -15,6 +15,7 @@ each call holds it for well under a millisecond, and never across file I/O.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import sqlite3
@@ -22,15 +23,16 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+
+from engine_bridge.cache.kinds import EntryKind
 
 INDEX_NAME = "index.sqlite3"
 SCHEMA_VERSION = 1
-KINDS: tuple[str, ...] = ("blocks", "checkpoints")
-Kind = Literal["blocks", "checkpoints"]
 # Top-level names under the cache root that are not model folders.
 RESERVED_NAMES = frozenset({"models", "quarantine"})
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# Client-chosen tenant names that are used as they are; others are hashed.
+_SAFE_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _IN_CHUNK = 500  # keys per `IN (...)` query, well under SQLite's variable limit
 
 _SCHEMA = """
@@ -87,11 +89,18 @@ class Scope:
                     f"{sorted(RESERVED_NAMES)}"
                 )
 
+    @classmethod
+    def of(cls, model: str, tenant: str) -> Scope:
+        """Tenant names come from clients: anything not plainly safe as a folder is hashed."""
+        if not _SAFE_TENANT.fullmatch(tenant) or tenant in RESERVED_NAMES:
+            tenant = "t-" + hashlib.sha256(tenant.encode()).hexdigest()[:24]
+        return cls(model, tenant)
+
 
 @dataclass(frozen=True, slots=True)
 class EntryRow:
     scope: Scope
-    kind: str
+    kind: EntryKind
     key: bytes
     size: int  # file size in bytes
     tokens: int
@@ -255,10 +264,10 @@ class Index:
         out = []
         for model, tenant, kind, key, size, tokens, created, last_access, tags in raw:
             try:
-                scope = Scope(model, tenant)
+                scope, entry_kind = Scope(model, tenant), EntryKind(kind)
             except ValueError:
                 continue  # written by hand or by a future release; reconcile ignores it too
-            out.append(EntryRow(scope, kind, key, size, tokens, created, last_access, tags))
+            out.append(EntryRow(scope, entry_kind, key, size, tokens, created, last_access, tags))
         return out
 
 

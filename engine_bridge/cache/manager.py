@@ -12,27 +12,19 @@ import logging
 import operator
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
-from engine_bridge.cache.checkpoints import REASONS, Checkpoint, CheckpointStore, Reason
-from engine_bridge.cache.hashing import (
-    BLOCK_SIZE,
-    BlockHash,
-    ExtraKeys,
-    anchors,
-    chain_root,
-    hash_chain,
-)
+from engine_bridge.cache.checkpoints import Checkpoint, CheckpointStore
+from engine_bridge.cache.hashing import BLOCK_SIZE, BlockHash, Chain
+from engine_bridge.cache.kinds import EntryKind, Reason
 from engine_bridge.cache.matching import Match, find_match
 from engine_bridge.cache.pool import Block, BlockPool, FreeQueue
 
 log = logging.getLogger(__name__)
 
-EntryKind = Literal["block", "checkpoint"]
-# on_evict(kind, hash, tokens, payload): for a block its hash and tokens, for a checkpoint
-# its anchor and tail. Called after the cache's lock is released.
-OnEvict = Callable[[EntryKind, BlockHash, tuple[int, ...], object], None]
+Entry = Block | Checkpoint
+# Called with each evicted entry after the cache's lock is released (the SSD tier spills it).
+OnEvict = Callable[[Entry], None]
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,7 +37,7 @@ class InsertResult:
 
 @dataclass(slots=True, frozen=True)
 class CacheStats:
-    """A snapshot of the RAM tier and of the requests the runner recorded."""
+    """A snapshot of the RAM tier."""
 
     blocks: int
     checkpoints: int
@@ -62,14 +54,6 @@ class CacheStats:
     thinned_checkpoints: int
     reserve_failures: int
     spill_errors: int
-    requests: int
-    prompt_tokens: int
-    cached_tokens: int
-    requests_by_source: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def token_hit_ratio(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 def _payload_nbytes(payload: object) -> int:
@@ -107,37 +91,29 @@ class CacheManager:
         self._thinned = 0
         self._reserve_failures = 0
         self._spill_errors = 0
-        self._requests = 0
-        self._prompt_tokens = 0
-        self._cached_tokens = 0
-        self._by_source: dict[str, int] = {}
 
     # ---- lookup -------------------------------------------------------------------------
 
-    def match(
-        self, tokens: Sequence[int], extra_keys: ExtraKeys = (), *, needs_checkpoint: bool
-    ) -> Match:
-        """The deepest restorable position P < len(tokens), so at least one token is prefilled.
+    def match(self, chain: Chain, *, needs_checkpoint: bool, pin: bool = False) -> Match:
+        """The deepest restorable position P < len(chain), so at least one token is prefilled.
 
         With `needs_checkpoint` (snapshot layers), P must be a checkpoint's exact position.
+        With `pin`, the match is also acquired (see `acquire`) under the same lock, so no
+        eviction can come between the two.
         """
-        tokens = tuple(tokens)
-        hashes = tuple(hash_chain(tokens, self.block_size, extra_keys))
-        root = chain_root(extra_keys)
         with self._lock:
-            return find_match(
-                self._pool,
-                self._checkpoints,
-                tokens,
-                hashes,
-                root,
-                self.block_size,
-                needs_checkpoint,
-            )
+            match = find_match(self._pool, self._checkpoints, chain, needs_checkpoint)
+            if pin and match.length:
+                self._pin(match)
+            return match
 
     def has_block(self, block_hash: BlockHash) -> bool:
         with self._lock:
             return block_hash in self._pool
+
+    def has_blocks(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        with self._lock:
+            return [h in self._pool for h in hashes]
 
     # ---- pinning ------------------------------------------------------------------------
 
@@ -150,12 +126,15 @@ class CacheManager:
             ckpt = match.checkpoint
             if ckpt is not None and self._checkpoints.get(ckpt.key) is not ckpt:
                 return False
-            for block in match.blocks:
-                self._pool.acquire(block)
-            if ckpt is not None:
-                self._checkpoints.acquire(ckpt)
-            match.pinned = True
+            self._pin(match)
             return True
+
+    def _pin(self, match: Match) -> None:
+        for block in match.blocks:
+            self._pool.acquire(block)
+        if match.checkpoint is not None:
+            self._checkpoints.acquire(match.checkpoint)
+        match.pinned = True
 
     def release(self, match: Match) -> None:
         """Unpin a match's entries, deepest first so its leaves are evicted first."""
@@ -171,28 +150,20 @@ class CacheManager:
 
     # ---- storing ------------------------------------------------------------------------
 
-    def insert_blocks(
-        self,
-        tokens: Sequence[int],
-        extra_keys: ExtraKeys,
-        payloads_by_block_index: Mapping[int, object],
-    ) -> InsertResult:
-        """Store full blocks of `tokens`; a block already cached keeps its payload (dedupe)."""
-        tokens = tuple(tokens)
-        bs = self.block_size
-        hashes = hash_chain(tokens, bs, extra_keys)
-        root = chain_root(extra_keys)
+    def insert_blocks(self, chain: Chain, payloads: Mapping[int, object]) -> InsertResult:
+        """Store full blocks of `chain` by index; a block already cached keeps its payload."""
+        bs = chain.block_size
+        assert bs == self.block_size, f"chain of {bs}-token blocks, cache of {self.block_size}"
         inserted = deduped = 0
         with self._lock:
             # Deepest first, so the shallow blocks other requests share end up most recent.
-            for i in sorted(payloads_by_block_index, reverse=True):
-                assert 0 <= i < len(hashes), f"block {i} of a {len(tokens)}-token sequence"
-                payload = payloads_by_block_index[i]
-                parent = root if i == 0 else hashes[i - 1]
+            for i in sorted(payloads, reverse=True):
+                assert 0 <= i < len(chain.hashes), f"block {i} of a {len(chain)}-token chain"
+                payload = payloads[i]
                 block, created = self._pool.insert(
-                    hashes[i],
-                    parent,
-                    tokens[i * bs : (i + 1) * bs],
+                    chain.hashes[i],
+                    chain.anchor(i),
+                    chain.tokens[i * bs : (i + 1) * bs],
                     payload,
                     _payload_nbytes(payload),
                 )
@@ -207,24 +178,23 @@ class CacheManager:
         return InsertResult(inserted, deduped, evicted=len(evicted))
 
     def insert_checkpoint(
-        self, tokens_prefix: Sequence[int], extra_keys: ExtraKeys, payload: object, reason: Reason
+        self, chain: Chain, position: int, payload: object, reason: Reason
     ) -> InsertResult:
-        """Store the state after `tokens_prefix`, then thin periodic checkpoints on its path."""
-        assert reason in REASONS, f"checkpoint reason {reason!r} not in {sorted(REASONS)}"
-        tokens = tuple(tokens_prefix)
-        assert tokens, "a checkpoint at position 0 restores nothing"
-        bs = self.block_size
-        k = len(tokens) // bs
-        path = anchors(chain_root(extra_keys), hash_chain(tokens, bs, extra_keys), k)
+        """Store the state after `position` tokens of `chain`, then thin periodic checkpoints
+        on its path."""
+        assert isinstance(reason, Reason), f"checkpoint reason {reason!r} is not a Reason"
+        assert 0 < position <= len(chain), f"checkpoint at {position} of {len(chain)} tokens"
+        assert chain.block_size == self.block_size, f"chain of {chain.block_size}-token blocks"
         nbytes = _payload_nbytes(payload)
+        anchor = chain.anchor(position // self.block_size)
         with self._lock:
             ckpt, created = self._checkpoints.insert(
-                path[k], tokens[k * bs :], len(tokens), reason, payload, nbytes
+                anchor, chain.tail(position), position, reason, payload, nbytes
             )
             if not created:
                 self._dedupe_hits += 1
                 self._checkpoints.refresh(ckpt)
-            thinned = self._checkpoints.thin(path, tokens, ckpt, bs) if self.thin_periodic else []
+            thinned = self._checkpoints.thin(chain, ckpt) if self.thin_periodic else []
             self._thinned += len(thinned)
             evicted = self._evict_to_budget()
         self._spill(evicted)
@@ -254,17 +224,9 @@ class CacheManager:
             assert 0 <= nbytes <= self._reserved, f"unreserve {nbytes} of {self._reserved} bytes"
             self._reserved -= nbytes
 
-    def clear(self) -> int:
-        """Drop every unreferenced entry without spilling it; returns how many."""
-        with self._lock:
-            count = len(self._lru)
-            while len(self._lru):
-                self._forget(self._lru.popleft())
-            return count
-
-    def _evict_to_budget(self, incoming: int = 0) -> list[Block | Checkpoint]:
+    def _evict_to_budget(self, incoming: int = 0) -> list[Entry]:
         """Evict LRU entries until stored + reserved + incoming bytes fit the budget."""
-        evicted: list[Block | Checkpoint] = []
+        evicted: list[Entry] = []
         while (
             self._pool.nbytes + self._checkpoints.nbytes + self._reserved + incoming
             > self.budget_bytes
@@ -272,7 +234,7 @@ class CacheManager:
         ):
             entry = self._lru.popleft()
             self._forget(entry)
-            if isinstance(entry, Block):
+            if entry.kind is EntryKind.BLOCK:
                 self._evicted_blocks += 1
             else:
                 self._evicted_checkpoints += 1
@@ -280,21 +242,18 @@ class CacheManager:
             evicted.append(entry)
         return evicted
 
-    def _forget(self, entry: Block | Checkpoint) -> None:
-        if isinstance(entry, Block):
+    def _forget(self, entry: Entry) -> None:
+        if entry.kind is EntryKind.BLOCK:
             self._pool.remove(entry)
         else:
             self._checkpoints.remove(entry)
 
-    def _spill(self, evicted: list[Block | Checkpoint]) -> None:
+    def _spill(self, evicted: list[Entry]) -> None:
         if self.on_evict is None:
             return
         for entry in evicted:
             try:
-                if isinstance(entry, Block):
-                    self.on_evict("block", entry.hash, entry.tokens, entry.payload)
-                else:
-                    self.on_evict("checkpoint", entry.anchor, entry.tail, entry.payload)
+                self.on_evict(entry)
             except Exception:
                 # A failed spill loses one entry to recompute later; the RAM tier is intact.
                 log.exception("on_evict failed for %r", entry)
@@ -302,15 +261,6 @@ class CacheManager:
                     self._spill_errors += 1
 
     # ---- accounting ---------------------------------------------------------------------
-
-    def record_request(self, prompt_tokens: int, cached_tokens: int, source: str) -> None:
-        """Count one request; the runner knows the final source (ram, ssd or none)."""
-        assert 0 <= cached_tokens <= prompt_tokens, f"{cached_tokens} of {prompt_tokens} cached"
-        with self._lock:
-            self._requests += 1
-            self._prompt_tokens += prompt_tokens
-            self._cached_tokens += cached_tokens
-            self._by_source[source] = self._by_source.get(source, 0) + 1
 
     def stats(self) -> CacheStats:
         with self._lock:
@@ -331,8 +281,4 @@ class CacheManager:
                 thinned_checkpoints=self._thinned,
                 reserve_failures=self._reserve_failures,
                 spill_errors=self._spill_errors,
-                requests=self._requests,
-                prompt_tokens=self._prompt_tokens,
-                cached_tokens=self._cached_tokens,
-                requests_by_source=dict(self._by_source),
             )

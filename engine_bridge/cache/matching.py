@@ -8,11 +8,10 @@ not cached against the cached blocks and checkpoint tails that hang from the sam
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 from engine_bridge.cache.checkpoints import Checkpoint, CheckpointStore
-from engine_bridge.cache.hashing import BlockHash
+from engine_bridge.cache.hashing import Chain
 from engine_bridge.cache.pool import Block, BlockPool
 
 
@@ -31,10 +30,18 @@ class Match:
     used_tokens: int
     checkpoint: Checkpoint | None
     checkpoint_tokens: int
-    # The request's full-block hash chain, so a lower tier can continue past `blocks`.
-    hashes: tuple[BlockHash, ...] = field(repr=False)
-    source: Literal["ram", "none"]
     pinned: bool = False
+
+    @property
+    def diverged(self) -> bool:
+        """Whether the request left a cached entry part way (not merely ran past its end).
+
+        Meaningful for a paged match (no checkpoint required), which is a longest common
+        prefix with what RAM holds.
+        """
+        if self.checkpoint is not None:
+            return self.checkpoint_tokens < len(self.checkpoint.tail)
+        return bool(self.blocks) and self.used_tokens < len(self.blocks[-1].tokens)
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -46,47 +53,33 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def find_match(
-    pool: BlockPool,
-    checkpoints: CheckpointStore,
-    tokens: tuple[int, ...],
-    hashes: tuple[BlockHash, ...],
-    root: BlockHash,
-    block_size: int,
-    needs_checkpoint: bool,
+    pool: BlockPool, checkpoints: CheckpointStore, chain: Chain, needs_checkpoint: bool
 ) -> Match:
-    """The deepest restorable position P < len(tokens); `hashes` is the chain from `root`."""
+    """The deepest restorable position P < len(chain), so at least one token is prefilled."""
     present: list[Block] = []
-    for block_hash in hashes:
+    for block_hash in chain.hashes:
         block = pool.get(block_hash)
         if block is None:
             break
         present.append(block)
     find = _at_checkpoint if needs_checkpoint else _paged
-    length, blocks, used, ckpt, ckpt_tokens = find(
-        pool, checkpoints, tokens, hashes, root, block_size, present
-    )
+    length, blocks, used, ckpt, ckpt_tokens = find(pool, checkpoints, chain, present)
     if not blocks:
         used = 0
-    covered = (len(blocks) - 1) * block_size + used if blocks else 0
+    covered = (len(blocks) - 1) * chain.block_size + used if blocks else 0
     assert covered + ckpt_tokens == length, (
         f"match of {length} tokens covers {covered} + {ckpt_tokens}"
     )
-    source = "ram" if length else "none"
-    return Match(length, tuple(blocks), used, ckpt, ckpt_tokens, hashes, source)
+    return Match(length, tuple(blocks), used, ckpt, ckpt_tokens)
 
 
 _Found = tuple[int, list[Block], int, Checkpoint | None, int]
 
 
 def _paged(
-    pool: BlockPool,
-    checkpoints: CheckpointStore,
-    tokens: tuple[int, ...],
-    hashes: tuple[BlockHash, ...],
-    root: BlockHash,
-    bs: int,
-    present: list[Block],
+    pool: BlockPool, checkpoints: CheckpointStore, chain: Chain, present: list[Block]
 ) -> _Found:
+    tokens, bs = chain.tokens, chain.block_size
     limit = len(tokens) - 1
     full = min(len(present), limit // bs) if limit > 0 else 0
     if full < len(present):
@@ -99,7 +92,7 @@ def _paged(
     # with any cached block or checkpoint tail under the same anchor extends it.
     start = full * bs
     window = tokens[start : min(start + bs, limit)]
-    anchor = root if full == 0 else hashes[full - 1]
+    anchor = chain.anchor(full)
     best, best_block, best_ckpt = 0, None, None
     if window:
         for child in pool.children(anchor):
@@ -117,14 +110,9 @@ def _paged(
 
 
 def _at_checkpoint(
-    pool: BlockPool,
-    checkpoints: CheckpointStore,
-    tokens: tuple[int, ...],
-    hashes: tuple[BlockHash, ...],
-    root: BlockHash,
-    bs: int,
-    present: list[Block],
+    pool: BlockPool, checkpoints: CheckpointStore, chain: Chain, present: list[Block]
 ) -> _Found:
+    tokens, bs = chain.tokens, chain.block_size
     limit = len(tokens) - 1
     if limit <= 0:
         return 0, [], 0, None, 0
@@ -133,7 +121,7 @@ def _at_checkpoint(
     for i in range(min(len(present), limit // bs), -1, -1):
         start = i * bs
         best = None
-        for ckpt in checkpoints.at(root if i == 0 else hashes[i - 1]):
+        for ckpt in checkpoints.at(chain.anchor(i)):
             end = start + len(ckpt.tail)
             if end > limit or (best is not None and len(ckpt.tail) <= len(best.tail)):
                 continue

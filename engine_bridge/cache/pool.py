@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from engine_bridge.cache.hashing import BlockHash
+from engine_bridge.cache.kinds import EntryKind
 
 
 class Linked(Protocol):
@@ -26,6 +27,7 @@ class Linked(Protocol):
 class Block:
     """One full block of tokens and its payload, stored once however many chains share it."""
 
+    kind: ClassVar[EntryKind] = EntryKind.BLOCK
     block_id: int
     hash: BlockHash
     # The previous block's hash, or the chain root (seed + extra keys) for a first block.
@@ -37,6 +39,10 @@ class Block:
     # Free-queue links: both None while the block is referenced.
     prev_free: Linked | None = field(default=None, repr=False)
     next_free: Linked | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> BlockHash:
+        return self.hash
 
     def __repr__(self) -> str:
         return (

@@ -23,7 +23,8 @@ from typing import Literal, NamedTuple
 
 from engine_bridge.cache import ssd_files as files
 from engine_bridge.cache import ssd_maintenance as maintenance
-from engine_bridge.cache.index import KINDS, EntryRow, Index, RawId, Scope
+from engine_bridge.cache.index import EntryRow, Index, RawId, Scope
+from engine_bridge.cache.kinds import EntryKind
 from engine_bridge.cache.ssd_format import FormatError, encode, read_entry
 from engine_bridge.cache.ssd_maintenance import ReconcileReport
 from engine_bridge.cache.ssd_offline import offline_clear, offline_ls, offline_stats
@@ -149,7 +150,7 @@ class SSDStore:
     def put(
         self,
         scope: Scope,
-        kind: str,
+        kind: EntryKind,
         key: bytes,
         tensors: Mapping[str, HostTensor],
         meta: Mapping[str, str] | None = None,
@@ -162,7 +163,7 @@ class SSDStore:
 
         The tensors' bytes must not change afterwards (they are written later, by reference).
         """
-        assert kind in KINDS, f"kind {kind!r} not in {KINDS}"
+        assert isinstance(kind, EntryKind), f"kind {kind!r} is not an EntryKind"
         assert reason in ("spill", "write_through"), f"reason {reason!r}"
         assert len(key) == 32, f"entry key must be 32 bytes, got {len(key)}"
         if self._disabled_reason is not None:
@@ -179,7 +180,7 @@ class SSDStore:
             self._count("queue_drops", None)
         return admission
 
-    def contains_many(self, scope: Scope, kind: str, keys: Sequence[bytes]) -> list[bool]:
+    def contains_many(self, scope: Scope, kind: EntryKind, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are on disk, from the index alone (no file is opened)."""
         found = self._present(scope, kind, keys)
         return [k in found for k in keys]
@@ -187,7 +188,7 @@ class SSDStore:
     def get(
         self,
         scope: Scope,
-        kind: str,
+        kind: EntryKind,
         key: bytes,
         *,
         reserve: Callable[[int], bool] | None = None,
@@ -442,7 +443,7 @@ class SSDStore:
         except sqlite3.Error:
             pass
 
-    def _present(self, scope: Scope, kind: str, keys: Sequence[bytes]) -> set[bytes]:
+    def _present(self, scope: Scope, kind: EntryKind, keys: Sequence[bytes]) -> set[bytes]:
         try:
             return set() if self._index is None else self._index.present(scope, kind, keys)
         except sqlite3.Error:

@@ -16,7 +16,8 @@ from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_bridge.cache.index import KINDS, RawId, is_valid_name
+from engine_bridge.cache.index import RawId, is_valid_name
+from engine_bridge.cache.kinds import EntryKind
 
 QUARANTINE = "quarantine"
 SUFFIX = ".safetensors"
@@ -99,7 +100,7 @@ def walk_entries(root: Path, model: str | None = None) -> Iterator[FoundFile]:
         for tenant in _subdirs(os.path.join(root, m)):
             if not is_valid_name(tenant.name):
                 continue
-            for kind in KINDS:
+            for kind in EntryKind:
                 for shard in _subdirs(os.path.join(tenant.path, kind)):
                     for f in _files(shard.path):
                         rid = _parse_name(f.name, shard.name, m, tenant.name, kind)

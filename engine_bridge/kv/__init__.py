@@ -17,6 +17,7 @@ from engine_bridge.kv.caches import (
 )
 from engine_bridge.kv.host import (
     FORMAT,
+    HostCodec,
     PayloadFormatError,
     payload_from_host,
     payload_to_host,
@@ -41,6 +42,7 @@ __all__ = [
     "BlockPayload",
     "CheckpointPayload",
     "DenseKV",
+    "HostCodec",
     "Kind",
     "Layout",
     "PagedKV",

@@ -188,6 +188,23 @@ class _Reader:
 
 def payload_from_host(tensors: Mapping[str, HostTensor], meta: Mapping[str, str]) -> Payload:
     """The payload `payload_to_host` described; PayloadFormatError if anything disagrees."""
+    try:
+        return _read_payload(tensors, meta)
+    except (IndexError, TypeError) as e:  # tensor shapes that describe no payload
+        raise PayloadFormatError(f"tensors do not form a payload: {e}") from e
+
+
+class HostCodec:
+    """The tiers' `Codec` (engine_bridge.cache.tiers): payloads ⇄ host tensors."""
+
+    def to_host(self, payload: Payload) -> tuple[dict[str, HostTensor], dict[str, str]]:
+        return payload_to_host(payload)
+
+    def from_host(self, tensors: Mapping[str, HostTensor], meta: Mapping[str, str]) -> Payload:
+        return payload_from_host(tensors, meta)
+
+
+def _read_payload(tensors: Mapping[str, HostTensor], meta: Mapping[str, str]) -> Payload:
     r = _Reader(tensors, meta)
     if r.text("format") != FORMAT:
         raise PayloadFormatError(f"format {meta['format']!r}, expected {FORMAT!r}")

@@ -1,0 +1,344 @@
+"""The tiers as one cache: RAM over SSD, looked up together, promoted a run at a time.
+
+A request's chain is hashed once (`hashing.Chain`) and every step here works on its hashes.
+`lookup` says how far RAM reaches and how far RAM plus SSD reach (SGLang's `MatchResult`
+with its `host_hit_length`); `promote` brings the SSD part into RAM, reserving the budget
+before it reads and falling back to a shallower checkpoint when an entry turns out corrupt.
+Stores write through to SSD, and entries RAM evicts spill there. Payloads cross to host
+bytes through a `Codec`, which `kv` implements, so this package never imports mlx.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine_bridge.cache.hashing import BlockHash, Chain
+from engine_bridge.cache.index import Scope
+from engine_bridge.cache.kinds import EntryKind, Reason
+from engine_bridge.cache.manager import CacheManager, CacheStats, Entry
+from engine_bridge.cache.matching import Match
+from engine_bridge.cache.ssd import PutReason, SSDStats, SSDStore
+from engine_bridge.cache.tensors import HostTensor
+
+log = logging.getLogger(__name__)
+
+# Entry metadata the tiers add to the codec's own.
+_META_REASON = "cache.reason"
+_META_TOKENS = "cache.tokens"
+# Corrupt entries met during one promotion before it settles for what it has.
+_PROMOTION_TRIES = 4
+# Block presence is asked of the SSD index this many hashes at a time, then twice as many:
+# a cold prompt costs one small query, a long hit a handful.
+_PRESENCE_STEP = 64
+
+
+class Codec(Protocol):
+    """Payloads ⇄ host tensors plus string metadata, for the tiers below RAM."""
+
+    def to_host(self, payload: Any) -> tuple[dict[str, HostTensor], dict[str, str]]: ...
+
+    def from_host(self, tensors: Mapping[str, HostTensor], meta: Mapping[str, str]) -> Any:
+        """The payload; raises ValueError for anything it cannot read as one."""
+        ...
+
+
+@dataclass(slots=True)
+class Stored:
+    """What RAM holds for an entry: the codec's payload and the scope of its SSD copy."""
+
+    payload: Any
+    scope: Scope
+    on_ssd: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.nbytes
+
+
+@dataclass(slots=True, frozen=True)
+class SSDPlan:
+    """What the SSD adds: read `blocks` (chain indices, in order), then the checkpoint at
+    `checkpoint` if set, to resume at `length`."""
+
+    length: int
+    blocks: tuple[int, ...]
+    checkpoint: int | None
+
+
+@dataclass(slots=True)
+class Hit:
+    """Where a request can resume, tier by tier. Nothing is pinned or read yet."""
+
+    chain: Chain
+    scope: Scope
+    needs_checkpoint: bool
+    ram: Match  # what RAM restores as it stands
+    ssd: SSDPlan | None  # how the SSD extends it, when it does
+    # Where the prompt left a sequence RAM holds part way (not merely ran past its end).
+    diverged_at: int | None
+
+    @property
+    def ram_length(self) -> int:
+        return self.ram.length
+
+    @property
+    def length(self) -> int:
+        """How far RAM plus SSD reach."""
+        return self.ssd.length if self.ssd is not None else self.ram.length
+
+
+@dataclass(slots=True, frozen=True)
+class TierStats:
+    ram: CacheStats
+    ssd: SSDStats | None
+
+
+class TieredCache:
+    """RAM, then SSD when there is one; shared by every model and tenant of the process."""
+
+    def __init__(
+        self,
+        ram: CacheManager,
+        ssd: SSDStore | None,
+        codec: Codec,
+        *,
+        write_through: bool = True,
+    ) -> None:
+        self.ram = ram
+        self.ssd = ssd
+        self.codec = codec
+        self.write_through = write_through
+        if ssd is not None:
+            ram.on_evict = self._spill
+
+    # ---- lookup -------------------------------------------------------------------------
+
+    def lookup(self, chain: Chain, scope: Scope, *, needs_checkpoint: bool) -> Hit:
+        """One look through every tier; reads index rows, never entry files."""
+        ram = self.ram.match(chain, needs_checkpoint=needs_checkpoint)
+        lcp = self.ram.match(chain, needs_checkpoint=False) if needs_checkpoint else ram
+        diverged = lcp.length if lcp.diverged and 0 < lcp.length < len(chain) - 1 else None
+        ssd = None
+        # RAM reaching the last prompt token leaves the SSD nothing to add.
+        if self.ssd is not None and ram.length < len(chain) - 1:
+            ssd = self._plan(chain, scope, needs_checkpoint, ram.length, len(chain) - 1)
+        return Hit(chain, scope, needs_checkpoint, ram, ssd, diverged)
+
+    def _plan(
+        self, chain: Chain, scope: Scope, snapshots: bool, ram_length: int, reach: int
+    ) -> SSDPlan | None:
+        """The deepest position up to `reach` that RAM and SSD restore together, past RAM's."""
+        bs = chain.block_size
+        last = len(chain) - 1  # always leave one token to prefill
+        # Count full blocks of this chain only: a paged hit that ends mid-block may end in a
+        # sibling's block, which is not on the request's chain.
+        usable = self._present_blocks(chain, scope, ram_length // bs)
+        reach = min(reach, last, usable * bs + bs - 1)  # a checkpoint can sit mid-block
+        if snapshots:
+            checkpoint = self._find_checkpoint(chain, scope, ram_length, reach)
+            if checkpoint is None:
+                return None
+            target = checkpoint
+        else:
+            # Paged layers restore from blocks alone; a checkpoint only adds its partial tail.
+            base = min(usable * bs, reach)
+            checkpoint = self._find_checkpoint(chain, scope, max(ram_length, base), reach)
+            target = checkpoint if checkpoint is not None else base
+        if target <= ram_length:
+            return None
+        needed = target // bs if checkpoint is not None else -(-target // bs)
+        in_ram = self.ram.has_blocks(chain.hashes[:needed])
+        missing = tuple(i for i, present in enumerate(in_ram) if not present)
+        return SSDPlan(target, missing, checkpoint)
+
+    def _present_blocks(self, chain: Chain, scope: Scope, start: int) -> int:
+        """How many leading blocks of the chain are in RAM or on disk; [0, start) are in RAM.
+
+        Both count: a hot prefix stays in RAM and is never spilled (so it is not on disk
+        without write-through), while the tail behind it was evicted and spilled.
+        """
+        assert self.ssd is not None
+        i, step = start, _PRESENCE_STEP
+        while i < len(chain.hashes):
+            keys = chain.hashes[i : i + step]
+            on_disk = self.ssd.contains_many(scope, EntryKind.BLOCK, keys)
+            in_ram = self.ram.has_blocks(keys)
+            for disk, ram in zip(on_disk, in_ram, strict=True):
+                if not (disk or ram):
+                    return i
+                i += 1
+            step *= 2
+        return i
+
+    def _find_checkpoint(self, chain: Chain, scope: Scope, lo: int, hi: int) -> int | None:
+        """The deepest position in (lo, hi] with a checkpoint on disk for this chain."""
+        assert self.ssd is not None
+        bs = chain.block_size
+        for a in range(hi // bs, -1, -1):
+            start = a * bs
+            if start + bs - 1 <= lo:
+                break
+            positions = [p for p in range(min(hi, start + bs - 1), max(lo, start - 1), -1) if p]
+            if not positions:
+                continue
+            keys = [chain.checkpoint_key(p) for p in positions]
+            found = self.ssd.contains_many(scope, EntryKind.CHECKPOINT, keys)
+            for p, present in zip(positions, found, strict=True):
+                if present:
+                    return p
+        return None
+
+    # ---- promotion ----------------------------------------------------------------------
+
+    def promote(self, hit: Hit) -> bool:
+        """Bring what `hit` needs from SSD into RAM; True if RAM now reaches deeper.
+
+        A corrupt entry on disk is quarantined and read as a miss: then fall back to the
+        next shallower plan rather than to nothing.
+        """
+        plan = hit.ssd
+        if plan is None or self.ssd is None:
+            return False
+        chain, ram_length = hit.chain, hit.ram_length
+        # Pin what RAM holds of the path: under a tight budget it is the least recently used
+        # part, and inserting the promoted entries would evict the very prefix they extend.
+        held = self.ram.match(chain, needs_checkpoint=False, pin=True)
+        try:
+            for _ in range(_PROMOTION_TRIES):
+                outcome = self._read_into_ram(hit, plan)
+                if isinstance(outcome, bool):
+                    return outcome
+                plan = self._plan(chain, hit.scope, hit.needs_checkpoint, ram_length, outcome)
+                if plan is None:
+                    return False
+            return False
+        finally:
+            if held.pinned:
+                self.ram.release(held)
+
+    def _read_into_ram(self, hit: Hit, plan: SSDPlan) -> bool | int:
+        """Promote `plan`; True/False when done, or a lower reach to plan again with."""
+        chain, scope, bs = hit.chain, hit.scope, hit.chain.block_size
+        reserved: list[int] = []
+        read: dict[int, Stored] = {}
+        failed_at = None
+        try:
+            for i in plan.blocks:
+                stored = self._read(scope, EntryKind.BLOCK, chain.hashes[i], reserved)
+                if stored is None:
+                    failed_at = i
+                    break
+                read[i] = stored[0]
+        finally:
+            # Hand the reservation back just before inserting, so its bytes are not counted
+            # twice; the run goes in as one insert.
+            self.ram.unreserve(sum(reserved))
+        if read:
+            self.ram.insert_blocks(chain, read)
+        if failed_at is not None:
+            # Blocks [0, failed_at) are in RAM now: a paged model uses them as they are, a
+            # snapshot model needs a checkpoint no deeper than block failed_at.
+            if hit.needs_checkpoint:
+                return failed_at * bs + bs - 1
+            return failed_at * bs > hit.ram_length
+        if plan.checkpoint is None:
+            return True
+        reserved.clear()
+        key = chain.checkpoint_key(plan.checkpoint)
+        try:
+            stored = self._read(scope, EntryKind.CHECKPOINT, key, reserved)
+        finally:
+            self.ram.unreserve(sum(reserved))
+        if stored is None:
+            if hit.needs_checkpoint:
+                return plan.checkpoint - 1
+            return plan.checkpoint // bs * bs > hit.ram_length  # the blocks alone serve
+        self.ram.insert_checkpoint(chain, plan.checkpoint, stored[0], stored[1])
+        return True
+
+    def _read(
+        self, scope: Scope, kind: EntryKind, key: BlockHash, reserved: list[int]
+    ) -> tuple[Stored, Reason] | None:
+        """Read one entry under a RAM reservation (kept in `reserved`); None is a miss."""
+        assert self.ssd is not None
+
+        def reserve(n: int) -> bool:
+            ok = self.ram.reserve(n)
+            if ok:
+                reserved.append(n)
+            return ok
+
+        def release(n: int) -> None:
+            self.ram.unreserve(n)
+            reserved.remove(n)
+
+        entry = self.ssd.get(scope, kind, key, reserve=reserve, release=release)
+        if entry is None:
+            return None
+        try:
+            payload = self.codec.from_host(entry.tensors, entry.meta)
+            reason = Reason(entry.meta[_META_REASON]) if kind is EntryKind.CHECKPOINT else None
+        except (ValueError, KeyError) as e:
+            log.warning("ssd entry %s is unreadable as a payload: %s", key.hex()[:16], e)
+            return None
+        return Stored(payload, scope, on_ssd=True), reason
+
+    # ---- storing ------------------------------------------------------------------------
+
+    def store_blocks(self, chain: Chain, scope: Scope, payloads: Mapping[int, Any]) -> None:
+        """Insert full blocks of `chain` by index into RAM, and write them through."""
+        stored = {i: Stored(p, scope) for i, p in payloads.items()}
+        self.ram.insert_blocks(chain, stored)
+        if self.write_through:
+            for i, s in stored.items():
+                self._write(s, EntryKind.BLOCK, chain.hashes[i], chain.block_size, None)
+
+    def store_checkpoint(
+        self, chain: Chain, scope: Scope, position: int, payload: Any, reason: Reason
+    ) -> None:
+        """Insert the state after `position` tokens of `chain`, and write it through."""
+        stored = Stored(payload, scope)
+        self.ram.insert_checkpoint(chain, position, stored, reason)
+        if self.write_through:
+            key = chain.checkpoint_key(position)
+            self._write(stored, EntryKind.CHECKPOINT, key, position, reason)
+
+    def _spill(self, entry: Entry) -> None:
+        """RAM eviction hook: write what is not on disk yet instead of losing it."""
+        stored = entry.payload
+        assert isinstance(stored, Stored), f"{entry!r} holds a {type(stored).__name__}"
+        if entry.kind is EntryKind.BLOCK:
+            self._write(stored, entry.kind, entry.key, len(entry.tokens), None, "spill")
+        else:
+            self._write(stored, entry.kind, entry.key, entry.position, entry.reason, "spill")
+
+    def _write(
+        self,
+        stored: Stored,
+        kind: EntryKind,
+        key: BlockHash,
+        tokens: int,
+        reason: Reason | None,
+        why: PutReason = "write_through",
+    ) -> None:
+        if self.ssd is None or stored.on_ssd:
+            return
+        tensors, meta = self.codec.to_host(stored.payload)
+        meta[_META_TOKENS] = str(tokens)
+        if reason is not None:
+            meta[_META_REASON] = reason.value
+        outcome = self.ssd.put(stored.scope, kind, key, tensors, meta, tokens=tokens, reason=why)
+        stored.on_ssd = outcome in ("queued", "duplicate")
+
+    # ---- upkeep -------------------------------------------------------------------------
+
+    def stats(self) -> TierStats:
+        return TierStats(self.ram.stats(), self.ssd.stats() if self.ssd is not None else None)
+
+    def close(self, timeout_s: float) -> None:
+        """Drain queued SSD writes for at most `timeout_s`."""
+        if self.ssd is not None:
+            self.ssd.close(timeout_s)
