@@ -198,41 +198,6 @@ def bare_ttft(model_dir: Path, prompts: list[list[dict]], repeats: int) -> list[
     return out
 
 
-@dataclass(slots=True)
-class _Payload:
-    nbytes: int = 4096
-
-
-def lookup_costs(n_tokens: int = 32_768, repeats: int = 10) -> dict[str, float]:
-    """Median seconds for hashing `n_tokens` and for a lookup that misses and that hits all."""
-    from .cache.hashing import BLOCK_SIZE, hash_chain
-    from .cache.manager import CacheManager
-
-    tokens = [(i * 2_654_435_761) % 151_936 for i in range(n_tokens)]
-    extra = (("model", "bench"),)
-
-    def median_of(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    manager = CacheManager(1 << 40)
-    miss = median_of(lambda: manager.match(tokens, extra, needs_checkpoint=False))
-    blocks = {i: _Payload() for i in range(n_tokens // BLOCK_SIZE)}
-    manager.insert_blocks(tokens, extra, blocks)
-    hit = median_of(lambda: manager.match(tokens, extra, needs_checkpoint=False))
-    return {
-        "tokens": n_tokens,
-        "hash_chain_s": median_of(lambda: hash_chain(tokens, BLOCK_SIZE, extra)),
-        "lookup_miss_s": miss,
-        "lookup_hit_s": hit,
-        "hit_length": manager.match(tokens, extra, needs_checkpoint=False).length,
-    }
-
-
 def kv_bytes(model_dir: Path, token_counts: list[int]) -> dict[str, Any]:
     """Bytes of one copy of the cache state after prefilling N tokens, for each N.
 
@@ -299,11 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         path = build_shape(args.name, args.root, args.overrides, args.bits or None)
         result = {"path": str(path), "build_s": time.perf_counter() - start}
     elif args.command == "overhead":
+        from . import lookup_probe
+
         prompts = json.loads(args.prompts.read_text())
         bare = bare_ttft(args.model, prompts, args.repeats)
         result = {
             "bare": [asdict(b) | {"median_s": b.median_s} for b in bare],
-            "lookup": lookup_costs(args.lookup_tokens),
+            "lookup": lookup_probe.lookup_costs(args.lookup_tokens),
         }
     else:
         result = kv_bytes(args.model, args.tokens)
