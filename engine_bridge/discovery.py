@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from .kv import CacheKind
+
 Format = Literal["mlx", "gguf"]
 
 DEFAULT_LMSTUDIO_DIRS = ("~/.lmstudio/models", "~/.cache/lm-studio/models")
@@ -47,20 +49,21 @@ class FoundModel:
     path: Path
     format: Format
     architecture: str
-    cache_kind: str  # plain | hybrid | sliding | unknown
+    cache_kind: CacheKind
     size_bytes: int
 
 
-def cache_kind_from_config(config: dict[str, Any]) -> str:
+def cache_kind_from_config(config: dict[str, Any]) -> CacheKind:
+    """What the cache will be, told from config.json before loading (kv.layout is exact)."""
     text = config.get("text_config") or {}
     model_type = str(config.get("model_type") or text.get("model_type") or "")
     layer_types = config.get("layer_types") or text.get("layer_types") or []
     kinds = {str(t) for t in layer_types}
     if model_type in _HYBRID_TYPES or kinds & {"linear_attention", "mamba", "mamba2"}:
-        return "hybrid"
+        return CacheKind.HYBRID
     if model_type in _SLIDING_TYPES or "sliding_attention" in kinds:
-        return "sliding"
-    return "plain"
+        return CacheKind.SLIDING
+    return CacheKind.PLAIN
 
 
 def scan(roots: list[Path], max_depth: int = 3) -> list[FoundModel]:
@@ -112,5 +115,5 @@ def _inspect(root: Path, folder: Path) -> FoundModel | None:
         return FoundModel(model_id, folder, "mlx", arch, cache_kind_from_config(config), size)
     if ggufs:
         size = sum(f.stat().st_size for f in ggufs)
-        return FoundModel(model_id, folder, "gguf", "gguf", "unknown", size)
+        return FoundModel(model_id, folder, "gguf", "gguf", CacheKind.UNKNOWN, size)
     return None

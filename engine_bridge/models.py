@@ -13,19 +13,18 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_load
 
-from . import demo
+from . import demo, kv
 from .types import EngineError
 
 log = logging.getLogger("engine_bridge.models")
 
-CacheKind = Literal["plain", "hybrid", "sliding"]
 
 # Files whose bytes define the tokenizer and chat template.
 _TOKENIZER_FILES = (
@@ -62,7 +61,7 @@ class LoadedModel:
     config: dict[str, Any]
     fingerprint: str
     context_length: int
-    cache_kind: CacheKind
+    cache_kind: kv.CacheKind
     load_s: float
 
 
@@ -165,11 +164,9 @@ def context_length(config: dict[str, Any]) -> int:
     return 32768
 
 
-def cache_kind(model: Any) -> CacheKind:
-    """plain (all KV), hybrid (SSM/linear state) or sliding (rotating window layers)."""
-    names = {type(c).__name__ for c in make_prompt_cache(model)}
-    if names & {"ArraysCache", "MambaCache"}:
-        return "hybrid"
-    if "RotatingKVCache" in names:
-        return "sliding"
-    return "plain"
+def cache_kind(model: Any) -> kv.CacheKind:
+    """From the cache classes mlx-lm gives the loaded model (kv.layout classifies them)."""
+    try:
+        return kv.layout(make_prompt_cache(model)).cache_kind
+    except kv.UnsupportedCacheError:
+        return kv.CacheKind.UNKNOWN

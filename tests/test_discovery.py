@@ -9,6 +9,7 @@ import sys
 
 import httpx
 
+from engine_bridge import models
 from engine_bridge.discovery import scan
 from tests.conftest import REPO, fresh_cache_dir, start_server
 
@@ -40,6 +41,14 @@ def test_scan_finds_mlx_and_gguf_folders_with_cache_kinds(demo_root, tmp_path):
     assert found["acme/demo-hybrid-mlx"].cache_kind == "hybrid"
     assert found["other/demo-swa-mlx"].cache_kind == "sliding"
     assert found["lmstudio-community/Qwen3-8B-GGUF"].format == "gguf"
+
+
+def test_config_prediction_agrees_with_the_loaded_cache_classes(demo_root, tmp_path):
+    root = _fake_lmstudio(demo_root, tmp_path / "models")
+    for found in scan([root]):
+        if found.format == "mlx":
+            loaded = models.load(models.ModelRef(found.id, found.path))
+            assert (found.id, found.cache_kind) == (found.id, loaded.cache_kind)
 
 
 def test_models_command_lists_what_is_served_where(demo_root, tmp_path):

@@ -5,6 +5,7 @@ manager stores (opaque to it beyond `nbytes`); `host` converts them for the SSD 
 """
 
 from engine_bridge.kv.caches import (
+    CacheKind,
     Kind,
     Layout,
     Slot,
@@ -40,6 +41,7 @@ __all__ = [
     "FORMAT",
     "ArraysState",
     "BlockPayload",
+    "CacheKind",
     "CheckpointPayload",
     "DenseKV",
     "HostCodec",

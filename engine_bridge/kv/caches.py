@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 import mlx.core as mx
@@ -61,6 +61,15 @@ _KINDS: dict[type, Kind] = {
 }
 
 
+class CacheKind(StrEnum):
+    """What a model's cache is made of, as users see it (`mlx-prompt-cache models`)."""
+
+    PLAIN = "plain"  # all K/V: any prefix restores
+    HYBRID = "hybrid"  # SSM or linear-attention state: restores at checkpoints only
+    SLIDING = "sliding"  # rotating-window layers: restores at checkpoints only
+    UNKNOWN = "unknown"  # not loaded yet and not told by its config, or not cacheable
+
+
 @dataclass(frozen=True, slots=True)
 class Slot:
     """One leaf cache: `path` is (layer,) or (layer, sub, ...) inside a CacheList."""
@@ -85,6 +94,15 @@ class Layout:
     @property
     def has_snapshots(self) -> bool:
         return any(s.kind is Kind.SNAPSHOT for s in self.slots)
+
+    @property
+    def cache_kind(self) -> CacheKind:
+        types = {s.cache_type for s in self.snapshots}
+        if ArraysCache.__name__ in types:
+            return CacheKind.HYBRID
+        if RotatingKVCache.__name__ in types:
+            return CacheKind.SLIDING
+        return CacheKind.PLAIN
 
 
 def _leaves(
