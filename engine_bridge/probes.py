@@ -179,10 +179,13 @@ def bare_ttft(model_dir: Path, prompts: list[list[dict]], repeats: int) -> list[
     from mlx_lm.sample_utils import make_sampler
 
     from .prompt import render_chat
+    from .types import Message
 
     model, tokenizer = load(str(model_dir))
     greedy = make_sampler(temp=0.0)
-    rendered = [render_chat(tokenizer, p).tokens for p in prompts]
+    rendered = [
+        render_chat(tokenizer, [Message.from_template(m) for m in p]).tokens for p in prompts
+    ]
     # One untimed run: the first call pays for kernel compilation and allocation.
     for _ in stream_generate(model, tokenizer, rendered[0][:64], max_tokens=1, sampler=greedy):
         pass

@@ -10,10 +10,10 @@ from __future__ import annotations
 import bisect
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .types import EngineError
+from .types import EngineError, Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,6 @@ class RenderedPrompt:
     message_starts: list[int] = field(default_factory=list)
     # Which message each entry of message_starts belongs to.
     message_index: list[int] = field(default_factory=list)
-    normalized: list[str] = field(default_factory=list)
 
     def message_at(self, token_index: int) -> int | None:
         """The index of the message that contains `token_index`, if known."""
@@ -58,46 +57,36 @@ class RenderedPrompt:
 
 
 def normalize_messages(
-    messages: list[dict[str, Any]], rules: Sequence[NormalizationRule]
-) -> tuple[list[dict[str, Any]], list[str]]:
-    """Apply the rules to string contents; returns new messages and the names that fired."""
-    if not rules:
-        return messages, []
-    fired: list[str] = []
+    messages: Sequence[Message], rules: Sequence[NormalizationRule]
+) -> list[Message]:
+    """Apply the rules to the contents of the roles they name."""
     out = []
     for message in messages:
-        content = message.get("content")
-        role = message.get("role")
+        content = message.content
         for rule in rules:
-            if role not in rule.roles or not isinstance(content, str):
-                continue
-            new = rule.pattern.sub(rule.replacement, content)
-            if new != content:
-                fired.append(rule.name)
-                content = new
-        out.append(
-            {**message, "content": content} if content is not message.get("content") else message
-        )
-    return out, fired
+            if message.role in rule.roles:
+                content = rule.pattern.sub(rule.replacement, content)
+        out.append(message if content == message.content else replace(message, content=content))
+    return out
 
 
 def render_chat(
     tokenizer: Any,
-    messages: list[dict[str, Any]],
+    messages: Sequence[Message],
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
     rules: Sequence[NormalizationRule] = (),
 ) -> RenderedPrompt:
     """Render with the model's chat template and find each message's first token."""
-    messages, fired = normalize_messages(messages, rules)
+    chat = [m.to_template() for m in normalize_messages(messages, rules)]
     kwargs = dict(template_kwargs or {})
-    text = _apply_template(tokenizer, messages, tools, True, kwargs)
+    text = _apply_template(tokenizer, chat, tools, True, kwargs)
     tokens, ends = _encode_with_offsets(tokenizer, text)
-    starts: list[int] = [0] if messages else []
-    index: list[int] = [0] if messages else []
-    for i in range(1, len(messages)):
+    starts: list[int] = [0] if chat else []
+    index: list[int] = [0] if chat else []
+    for i in range(1, len(chat)):
         try:
-            prefix = _apply_template(tokenizer, messages[:i], tools, False, kwargs)
+            prefix = _apply_template(tokenizer, chat[:i], tools, False, kwargs)
         except EngineError:
             continue
         # Templates that rewrite earlier turns (e.g. drop old thinking) make the prefix
@@ -108,7 +97,7 @@ def render_chat(
         if t > 0 and ends[t - 1] == len(prefix) and t > starts[-1]:
             starts.append(t)
             index.append(i)
-    return RenderedPrompt(tokens, text, starts, index, fired)
+    return RenderedPrompt(tokens, text, starts, index)
 
 
 def render_completion(tokenizer: Any, prompt: str) -> RenderedPrompt:

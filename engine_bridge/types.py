@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 CacheSource = Literal["ram", "ssd", "none"]
+Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "stop_string", "cancelled"]
 
 
@@ -37,12 +38,76 @@ class Sampling:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A function call the assistant made, as both dialects and chat templates know it."""
+
+    name: str
+    # A JSON value, usually an object; a string when the client sent arguments that are not
+    # JSON, which templates then render as they are.
+    arguments: Any
+    id: str | None = ""
+
+    def to_template(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One chat message; `to_template` is the only place it becomes the chat-template shape.
+
+    Optional fields are None when the client left them out: some templates test whether a
+    key is there (`'tool_calls' in message`) rather than whether it is empty.
+    """
+
+    role: Role
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: tuple[ToolCall, ...] | None = None
+    tool_call_id: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning is not None:
+            out["reasoning_content"] = self.reasoning
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.to_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+    @classmethod
+    def from_template(cls, message: dict[str, Any]) -> Message:
+        """The inverse of `to_template`, for callers that hold template-shaped dicts (tests,
+        probes); text parts of a content list are joined, as the dialects join them."""
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(p["text"] for p in content if p.get("type") == "text")
+        calls = message.get("tool_calls")
+        if calls is not None:
+            calls = tuple(
+                ToolCall(c["function"]["name"], c["function"].get("arguments"), c.get("id", ""))
+                for c in calls
+            )
+        return cls(
+            message["role"],
+            content or "",
+            message.get("reasoning_content"),
+            calls,
+            message.get("tool_call_id"),
+        )
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     """One request, dialect-free: either chat `messages` or a raw `prompt`."""
 
     model: str
-    messages: list[dict[str, Any]] | None = None
+    messages: list[Message] | None = None
     prompt: str | None = None
     tools: list[dict[str, Any]] | None = None
     max_tokens: int = 512

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
-from engine_bridge.types import EngineError, GenerationRequest, Sampling
+from engine_bridge.types import EngineError, GenerationRequest, Message, Sampling, ToolCall
 
 from . import fields as f
 from .errors import ApiError
@@ -51,9 +52,9 @@ def parse_system(body: dict) -> str | None:
     return _text_blocks(system, "system")
 
 
-def parse_messages(body: dict) -> list[dict[str, Any]]:
+def parse_messages(body: dict) -> list[Message]:
     messages = f.get_list(body, "messages", nonempty=True)
-    out: list[dict[str, Any]] = []
+    out: list[Message] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -70,7 +71,7 @@ def parse_messages(body: dict) -> list[dict[str, Any]]:
             _inline_system(out, _text_blocks(content, f"{where}.content"))
             continue
         if isinstance(content, str):
-            out.append({"role": role, "content": content})
+            out.append(Message(role, content))
             continue
         if not isinstance(content, list):
             raise ApiError(
@@ -83,19 +84,19 @@ def parse_messages(body: dict) -> list[dict[str, Any]]:
     return out
 
 
-def _inline_system(out: list[dict[str, Any]], text: str) -> None:
+def _inline_system(out: list[Message], text: str) -> None:
     """A system message inside the conversation (Claude Code sends these after a user turn).
 
     Chat templates accept a system message only first, so it joins the user turn before it,
     where it stays at the same place in every later request and so keeps the prefix cached.
     """
-    if out and out[-1]["role"] == "user" and isinstance(out[-1]["content"], str):
-        out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + text}
+    if out and out[-1].role == "user":
+        out[-1] = replace(out[-1], content=out[-1].content + "\n\n" + text)
     else:
-        out.append({"role": "user", "content": text})
+        out.append(Message("user", text))
 
 
-def _assistant(blocks: list, where: str) -> dict[str, Any]:
+def _assistant(blocks: list, where: str) -> Message:
     text, thinking, calls = [], [], []
     for j, b in enumerate(blocks):
         w = f"{where}.content[{j}]"
@@ -114,24 +115,18 @@ def _assistant(blocks: list, where: str) -> dict[str, Any]:
             args = b.get("input", {})
             if not isinstance(args, dict):
                 raise ApiError(400, f"{w}.input: expected an object", param="messages")
-            calls.append(
-                {
-                    "id": b.get("id", ""),
-                    "type": "function",
-                    "function": {"name": b["name"], "arguments": args},
-                }
-            )
+            calls.append(ToolCall(b["name"], args, b.get("id", "")))
         else:
             raise ApiError(400, f"{w}: block type {kind!r} is not supported", param="messages")
-    msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
-    if thinking:
-        msg["reasoning_content"] = "\n".join(thinking)
-    if calls:
-        msg["tool_calls"] = calls
-    return msg
+    return Message(
+        "assistant",
+        "".join(text),
+        reasoning="\n".join(thinking) if thinking else None,
+        tool_calls=tuple(calls) if calls else None,
+    )
 
 
-def _user(blocks: list, where: str) -> list[dict[str, Any]]:
+def _user(blocks: list, where: str) -> list[Message]:
     results, text = [], []
     for j, b in enumerate(blocks):
         w = f"{where}.content[{j}]"
@@ -141,14 +136,12 @@ def _user(blocks: list, where: str) -> list[dict[str, Any]]:
             body = _text_blocks(b.get("content"), f"{w}.content")
             if b.get("is_error"):
                 body = "Error: " + body
-            results.append(
-                {"role": "tool", "tool_call_id": b.get("tool_use_id", ""), "content": body}
-            )
+            results.append(Message("tool", body, tool_call_id=b.get("tool_use_id", "")))
         else:
             text.append(_block_text(b, w))
     out = results
     if text or not results:
-        out.append({"role": "user", "content": "".join(text)})
+        out.append(Message("user", "".join(text)))
     return out
 
 
@@ -181,11 +174,11 @@ def parse_tools(body: dict) -> list[dict[str, Any]] | None:
     return out or None
 
 
-def build_messages(body: dict) -> list[dict[str, Any]]:
+def build_messages(body: dict) -> list[Message]:
     messages = parse_messages(body)
     system = parse_system(body)
     if system is not None:
-        messages.insert(0, {"role": "system", "content": system})
+        messages.insert(0, Message("system", system))
     return messages
 
 
@@ -248,11 +241,12 @@ def block_json(p: Part) -> dict[str, Any]:
         return {"type": "text", "text": p.text}
     if p.kind == "reasoning":
         return {"type": "thinking", "thinking": p.text, "signature": ""}
+    assert p.call is not None, f"not a tool call: {p!r}"
     return {
         "type": "tool_use",
-        "id": "toolu_" + p.id.removeprefix("call_"),
-        "name": p.name,
-        "input": p.arguments,
+        "id": "toolu_" + (p.call.id or "").removeprefix("call_"),
+        "name": p.call.name,
+        "input": p.call.arguments,
     }
 
 
@@ -339,7 +333,10 @@ async def messages(request: web.Request, body: dict) -> web.StreamResponse:
                     {
                         "type": "content_block_delta",
                         "index": index,
-                        "delta": {"type": "input_json_delta", "partial_json": _json(p.arguments)},
+                        "delta": {
+                            "type": "input_json_delta",
+                            "partial_json": _json(block["input"]),
+                        },
                     },
                 )
                 await sse.event(

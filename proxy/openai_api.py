@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from engine_bridge.types import GenerationRequest, Sampling
+from engine_bridge.types import GenerationRequest, Message, Sampling, ToolCall
 
 from . import fields as f
 from .errors import ApiError
@@ -79,7 +79,7 @@ def _parse_arguments(raw: Any, where: str) -> Any:
     raise ApiError(400, f"{where}: expected a JSON string or an object", param=where)
 
 
-def parse_messages(body: dict) -> list[dict[str, Any]]:
+def parse_messages(body: dict) -> list[Message]:
     messages = f.get_list(body, "messages", nonempty=True)
     out = []
     for i, m in enumerate(messages):
@@ -94,40 +94,40 @@ def parse_messages(body: dict) -> list[dict[str, Any]]:
                 param="messages",
             )
         role = {"developer": "system", "function": "tool"}.get(role, role)
-        msg: dict[str, Any] = {
-            "role": role,
-            "content": text_of(m.get("content"), f"{where}.content"),
-        }
+        content = text_of(m.get("content"), f"{where}.content")
         if role == "assistant":
-            if isinstance(m.get("reasoning_content"), str):
-                msg["reasoning_content"] = m["reasoning_content"]
+            reasoning = m.get("reasoning_content")
             calls = m.get("tool_calls")
-            if calls is not None:
-                if not isinstance(calls, list):
-                    raise ApiError(400, f"{where}.tool_calls: expected an array", param="messages")
-                msg["tool_calls"] = [
-                    _parse_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
-                ]
-        if role == "tool":
-            msg["tool_call_id"] = m.get("tool_call_id") or m.get("name") or ""
-        out.append(msg)
+            if calls is not None and not isinstance(calls, list):
+                raise ApiError(400, f"{where}.tool_calls: expected an array", param="messages")
+            out.append(
+                Message(
+                    role,
+                    content,
+                    reasoning=reasoning if isinstance(reasoning, str) else None,
+                    tool_calls=None
+                    if calls is None
+                    else tuple(
+                        _parse_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
+                    ),
+                )
+            )
+        elif role == "tool":
+            call_id = m.get("tool_call_id") or m.get("name") or ""
+            out.append(Message(role, content, tool_call_id=call_id))
+        else:
+            out.append(Message(role, content))
     return out
 
 
-def _parse_call(call: Any, where: str) -> dict[str, Any]:
+def _parse_call(call: Any, where: str) -> ToolCall:
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         raise ApiError(400, f"{where}: expected an object with a function", param="messages")
     fn = call["function"]
     if not isinstance(fn.get("name"), str):
         raise ApiError(400, f"{where}.function.name: expected a string", param="messages")
-    return {
-        "id": call.get("id", ""),
-        "type": "function",
-        "function": {
-            "name": fn["name"],
-            "arguments": _parse_arguments(fn.get("arguments", {}), where),
-        },
-    }
+    arguments = _parse_arguments(fn.get("arguments", {}), where)
+    return ToolCall(fn["name"], arguments, call.get("id", ""))
 
 
 def parse_tools(body: dict) -> list[dict[str, Any]] | None:
@@ -229,11 +229,10 @@ def finish_reason(gen: Generation, parts: list[Part]) -> str:
 
 
 def tool_call_json(p: Part, index: int | None = None) -> dict[str, Any]:
-    call = {
-        "id": p.id,
-        "type": "function",
-        "function": {"name": p.name, "arguments": json.dumps(p.arguments)},
-    }
+    """A parsed call in the response's shape: the template's, with the arguments as JSON text."""
+    assert p.call is not None, f"not a tool call: {p!r}"
+    call = p.call.to_template()
+    call["function"]["arguments"] = json.dumps(p.call.arguments)
     if index is not None:
         call["index"] = index
     return call

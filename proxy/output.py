@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
+
+from engine_bridge.types import ToolCall
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -20,9 +22,7 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 class Part:
     kind: Literal["text", "reasoning", "tool_call"]
     text: str = ""
-    name: str = ""
-    arguments: dict[str, Any] = field(default_factory=dict)
-    id: str = ""
+    call: ToolCall | None = None  # set for kind "tool_call"
 
 
 def new_call_id(prefix: str = "call_") -> str:
@@ -106,7 +106,7 @@ class OutputParser:
                 raise ValueError("bad shape")
         except (ValueError, KeyError, TypeError):
             return Part("text", CALL_OPEN + body + CALL_CLOSE)
-        part = Part("tool_call", name=name, arguments=args, id=new_call_id())
+        part = Part("tool_call", call=ToolCall(name, args, new_call_id()))
         self.tool_calls.append(part)
         return part
 
@@ -129,5 +129,5 @@ def merge(parts: list[Part]) -> list[Part]:
         if out and p.kind != "tool_call" and out[-1].kind == p.kind:
             out[-1].text += p.text
         else:
-            out.append(Part(p.kind, p.text, p.name, p.arguments, p.id))
+            out.append(Part(p.kind, p.text, p.call))
     return out

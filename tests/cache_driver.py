@@ -22,6 +22,7 @@ from engine_bridge.runner import Job
 from engine_bridge.types import (
     GenerationRequest,
     GenerationResult,
+    Message,
     PromptInfo,
     Sampling,
     TokenEvent,
@@ -90,7 +91,7 @@ class Driver:
         """
         req = GenerationRequest(
             model=model,
-            messages=messages,
+            messages=None if messages is None else [Message.from_template(m) for m in messages],
             prompt=prompt,
             max_tokens=max_tokens,
             sampling=Sampling(temperature=0.0),

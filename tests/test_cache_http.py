@@ -18,6 +18,7 @@ from conftest import DEMO_IDS, fresh_cache_dir, start_server
 
 from engine_bridge import models
 from engine_bridge.prompt import CLAUDE_CODE_BILLING_HEADER, render_chat
+from engine_bridge.types import Message
 
 LLAMA = "demo-llama"
 # demo-llama: 2 layers × (K, V) × 2 KV heads × head dim 16 × 64 tokens × 4 bytes (float32).
@@ -110,7 +111,7 @@ def tokenizer(demo_root):
 
 
 def tokens_of(tokenizer, system, messages) -> list[int]:
-    full = [{"role": "system", "content": system}, *messages]
+    full = [Message("system", system), *map(Message.from_template, messages)]
     return render_chat(tokenizer, full, rules=[CLAUDE_CODE_BILLING_HEADER]).tokens
 
 

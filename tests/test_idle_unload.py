@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 
 from engine_bridge.engine import Engine, EngineSettings
-from engine_bridge.types import GenerationRequest, GenerationResult, Sampling
+from engine_bridge.types import GenerationRequest, GenerationResult, Message, Sampling
 
 
 async def _generate(engine: Engine, content: str) -> GenerationResult:
     req = GenerationRequest(
         model="demo-llama",
         messages=[
-            {"role": "system", "content": "Be brief. " * 80},
-            {"role": "user", "content": content},
+            Message("system", "Be brief. " * 80),
+            Message("user", content),
         ],
         max_tokens=8,
         sampling=Sampling(temperature=0.0),

@@ -10,7 +10,7 @@ import pytest
 
 from engine_bridge.engine import Engine, EngineSettings
 from engine_bridge.prompt_cache import CachePolicy
-from engine_bridge.types import GenerationRequest, GenerationResult, Sampling
+from engine_bridge.types import GenerationRequest, GenerationResult, Message, Sampling
 
 SYSTEM = "You are a patient assistant who explains storage and caching. " * 30
 
@@ -33,7 +33,7 @@ def wide_llama(demo_root, tmp_path_factory):
 async def _ask(engine: Engine, question: str) -> GenerationResult:
     req = GenerationRequest(
         model="wide-llama",
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        messages=[Message("system", SYSTEM), Message("user", question)],
         max_tokens=4,
         sampling=Sampling(temperature=0.0),
     )

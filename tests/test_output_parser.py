@@ -30,9 +30,9 @@ def test_reasoning_text_and_tool_calls_split_at_any_chunking(step):
     assert [p.kind for p in parts] == ["reasoning", "text", "tool_call", "tool_call"]
     assert parts[0].text == "\nThe user wants the weather.\n"
     assert parts[1].text == "Let me check."
-    assert (parts[2].name, parts[2].arguments) == ("get_weather", {"city": "Paris"})
-    assert (parts[3].name, parts[3].arguments) == ("get_time", {"tz": "CET"})
-    assert parts[2].id != parts[3].id
+    assert (parts[2].call.name, parts[2].call.arguments) == ("get_weather", {"city": "Paris"})
+    assert (parts[3].call.name, parts[3].call.arguments) == ("get_time", {"tz": "CET"})
+    assert parts[2].call.id != parts[3].call.id
 
 
 def test_prompt_that_opened_think_starts_in_reasoning():
