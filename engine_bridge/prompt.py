@@ -8,12 +8,15 @@ same conversation is most likely to diverge from the last one.
 from __future__ import annotations
 
 import bisect
+import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .types import EngineError, Message
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,21 +83,19 @@ def render_chat(
     """Render with the model's chat template and find each message's first token."""
     chat = [m.to_template() for m in normalize_messages(messages, rules)]
     kwargs = dict(template_kwargs or {})
-    text = _apply_template(tokenizer, chat, tools, True, kwargs)
+
+    def render(part: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return _apply_template(tokenizer, part, tools, add_generation_prompt, kwargs)
+
+    text = render(chat, True)
     tokens, ends = _encode_with_offsets(tokenizer, text)
     starts: list[int] = [0] if chat else []
     index: list[int] = [0] if chat else []
-    for i in range(1, len(chat)):
-        try:
-            prefix = _apply_template(tokenizer, chat[:i], tools, False, kwargs)
-        except EngineError:
+    for i, length in enumerate(prefix_lengths(render, chat, text), start=1):
+        if length is None:
             continue
-        # Templates that rewrite earlier turns (e.g. drop old thinking) make the prefix
-        # render differently from the same span of the full prompt: no boundary there.
-        if not text.startswith(prefix):
-            continue
-        t = bisect.bisect_right(ends, len(prefix))
-        if t > 0 and ends[t - 1] == len(prefix) and t > starts[-1]:
+        t = bisect.bisect_right(ends, length)
+        if t > 0 and ends[t - 1] == length and t > starts[-1]:
             starts.append(t)
             index.append(i)
     return RenderedPrompt(tokens, text, starts, index)
@@ -136,3 +137,188 @@ def _encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[int
         if ends[i] < ends[i - 1]:
             ends[i] = ends[i - 1]
     return list(enc["input_ids"]), ends
+
+
+# -- where each message starts ------------------------------------------------------------
+#
+# Message i starts at len(render(messages[:i])) when that render is a prefix of the full
+# prompt; otherwise it has no start (the template rewrote history, or a message's ending
+# depends on the one after it). Rendering every prefix costs a template run per message, each
+# as long as the conversation: quadratic. Instead, one more render of the whole conversation,
+# with a tag at the first non-blank character of every content, reasoning and tool-call name,
+# shows where each message's first field landed. What lies between a message's start and that
+# field (its header), and whether the prefix matches at all, is the template's business; so
+# each kind of boundary (the shapes of the messages either side, which field comes first, the
+# roles seen before) is rendered for real once, at its first occurrence, which is early and
+# so short, and its answer, a header or no start, is reused for the rest. That reuse assumes
+# a template decides these from such local facts, as ChatML, Qwen3 and the other templates in
+# tests/test_prompt_render.py do. The rest is checked, and where a check fails the prefixes
+# are rendered as before:
+# - the tagged render, tags removed, must be the full prompt exactly, every tag once, and
+#   messages in order; else every prefix is rendered;
+# - once a tagged field is missing from the full prompt (e.g. reasoning dropped before the
+#   last user turn), the prefixes past that message may still show it: they are rendered;
+# - a reused header must be the text right before the message's first field.
+
+Render = Callable[[list[dict[str, Any]], bool], str]
+
+# Unicode noncharacters: never assigned, so no client text means them; JSON keeps them as is.
+_TAG_OPEN, _TAG_CLOSE = "\ufdd0", "\ufdd1"
+_TAG = re.compile(f"{_TAG_OPEN}(\\d+)([a-z]\\d*){_TAG_CLOSE}")
+
+
+@dataclass(slots=True)
+class _Layout:
+    # Per message: (offset in the full prompt, field) of its first tag there, if any.
+    anchors: list[tuple[int, str] | None]
+    # The first message with a field the full prompt does not show as sent, or len(messages).
+    first_rewritten: int
+    # Per message: the offset its start must lie past, the last anchor before it (or -1).
+    floors: list[int]
+
+
+def prefix_lengths(render: Render, chat: list[dict[str, Any]], text: str) -> list[int | None]:
+    """For i in 1..n-1: len(render(chat[:i])) if it is a prefix of `text`, else None."""
+    n = len(chat)
+
+    def exact(i: int) -> int | None:
+        try:
+            prefix = render(chat[:i], False)
+        except EngineError:
+            return None
+        return len(prefix) if text.startswith(prefix) else None
+
+    layout = _layout(render, chat, text) if n > 1 else None
+    if layout is None:
+        return [exact(i) for i in range(1, n)]
+    # Kind of boundary -> its header; None: no start; an int: the message that showed neither.
+    learned: dict[tuple, str | int | None] = {}
+    out: list[int | None] = []
+    guessed = 0
+    # Roles before the previous message: templates branch on whether a user turn came yet.
+    seen: frozenset = frozenset()
+    for i in range(1, n):
+        seen = seen | {chat[i - 2].get("role")} if i > 1 else seen
+        anchor = layout.anchors[i]
+        if i > layout.first_rewritten or anchor is None:
+            out.append(exact(i))
+            continue
+        at, first_field = anchor
+        kind = (seen, _shape(chat[i - 1]), _shape(chat[i]), first_field)
+        if kind not in learned:
+            length = exact(i)
+            out.append(length)
+            # A prefix reaching past the message's own first field leaves no header to reuse.
+            learned[kind] = None if length is None else text[length:at] if length <= at else i
+            continue
+        header = learned[kind]
+        if header is None:
+            out.append(None)
+            guessed += 1
+        elif (
+            isinstance(header, str)
+            and at - len(header) > layout.floors[i]
+            and text.startswith(header, at - len(header))
+        ):
+            out.append(at - len(header))
+            guessed += 1
+        else:
+            out.append(exact(i))
+    if guessed + len(learned) < n - 1:
+        log.debug(
+            "message starts: rendered %d of %d prefixes (history rewritten at message %d)",
+            n - 1 - guessed,
+            n - 1,
+            layout.first_rewritten,
+        )
+    return out
+
+
+def _layout(render: Render, chat: list[dict[str, Any]], text: str) -> _Layout | None:
+    """Where each message's first field lands in `text`, from one tagged render."""
+    if _TAG_OPEN in text:
+        log.debug("message starts: the prompt contains a tag character; rendering each prefix")
+        return None
+    first_rewritten = len(chat)
+    tagged, sent = [], []
+    for i, message in enumerate(chat):
+        copy, fields, complete = _tag_message(message, i)
+        tagged.append(copy)
+        sent.append(fields)
+        if not complete:
+            first_rewritten = min(first_rewritten, i)
+    try:
+        rendered = render(tagged, True)
+    except EngineError:
+        return None
+    pieces, found, pos, removed = [], {}, 0, 0
+    for m in _TAG.finditer(rendered):
+        pieces.append(rendered[pos : m.start()])
+        key = (int(m[1]), m[2])
+        if key in found:
+            log.debug("message starts: the template repeats a field; rendering each prefix")
+            return None
+        found[key] = m.start() - removed
+        removed += m.end() - m.start()
+        pos = m.end()
+    pieces.append(rendered[pos:])
+    if "".join(pieces) != text:
+        log.debug("message starts: tags change what the template renders; rendering each prefix")
+        return None
+    anchors: list[tuple[int, str] | None] = []
+    floors: list[int] = []
+    last = -1
+    for i, fields in enumerate(sent):
+        floors.append(last)
+        shown = [(found[(i, f)], f) for f in fields if (i, f) in found]
+        if len(shown) < len(fields):
+            first_rewritten = min(first_rewritten, i)
+        anchor = min(shown) if shown else None
+        if anchor is not None:
+            if anchor[0] <= last:
+                log.debug("message starts: the template reorders messages; rendering each prefix")
+                return None
+            last = anchor[0]
+        anchors.append(anchor)
+    return _Layout(anchors, first_rewritten, floors)
+
+
+def _tag_message(message: dict[str, Any], i: int) -> tuple[dict[str, Any], list[str], bool]:
+    """A copy with each text field tagged at its first non-blank character, the fields
+    tagged, and False if a non-empty field has no such character (its drop would go unseen)."""
+    copy = dict(message)
+    fields: list[str] = []
+    complete = True
+
+    def tag(value: Any, name: str, empty_shows_nothing: bool = True) -> Any:
+        nonlocal complete
+        if value is None or (value == "" and empty_shows_nothing):
+            return value
+        if not isinstance(value, str) or not value.strip():
+            complete = False
+            return value
+        k = len(value) - len(value.lstrip())
+        fields.append(name)
+        return f"{value[:k]}{_TAG_OPEN}{i}{name}{_TAG_CLOSE}{value[k:]}"
+
+    if "content" in message:
+        copy["content"] = tag(message["content"], "c")
+    if "reasoning_content" in message:
+        copy["reasoning_content"] = tag(message["reasoning_content"], "r")
+    if message.get("tool_calls"):
+        copy["tool_calls"] = [
+            {
+                **call,
+                "function": {
+                    **call["function"],
+                    "name": tag(call["function"]["name"], f"n{j}", False),
+                },
+            }
+            for j, call in enumerate(message["tool_calls"])
+        ]
+    return copy, fields, complete
+
+
+def _shape(message: dict[str, Any]) -> tuple:
+    """What a template may branch on, short of the text: the role and which fields are set."""
+    return (message.get("role"), tuple((k, bool(v)) for k, v in message.items()))
