@@ -16,7 +16,7 @@ from .errors import ApiError
 from .generation import Generation, request_options, start
 from .output import Part, merge
 from .sse import SSEWriter
-from .state import engine_of
+from .state import ENGINE
 
 # Tool types Anthropic runs server-side (web search, …); a local model cannot call them.
 _CUSTOM_TOOL_TYPES = {None, "custom"}
@@ -253,7 +253,7 @@ def block_json(p: Part) -> dict[str, Any]:
 async def messages(request: web.Request, body: dict) -> web.StreamResponse:
     req = messages_request(body, request)
     stream = f.get_bool(body, "stream")
-    gen = await start(engine_of(request.app), req, request)
+    gen = await start(request.app[ENGINE], req, request)
     mid = "msg_" + uuid.uuid4().hex[:24]
     if not stream:
         try:
@@ -335,7 +335,7 @@ async def messages(request: web.Request, body: dict) -> web.StreamResponse:
                         "index": index,
                         "delta": {
                             "type": "input_json_delta",
-                            "partial_json": _json(block["input"]),
+                            "partial_json": json.dumps(block["input"]),
                         },
                     },
                 )
@@ -384,15 +384,11 @@ async def messages(request: web.Request, body: dict) -> web.StreamResponse:
     return sse.response
 
 
-def _json(value: Any) -> str:
-    return json.dumps(value)
-
-
 async def count_tokens(request: web.Request, body: dict) -> web.Response:
     model = f.get_str(body, "model", nonempty=True)
     req = GenerationRequest(model=model, messages=build_messages(body), tools=parse_tools(body))
     try:
-        n = await engine_of(request.app).count_tokens(req)
+        n = await request.app[ENGINE].count_tokens(req)
     except EngineError as e:
         raise ApiError(e.status, e.message, param=e.field) from None
     return web.json_response({"input_tokens": n})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ from engine_bridge.types import (
 
 from .errors import ApiError
 from .output import OutputParser, Part
-from .state import REQUEST_ID, settings_of
+from .state import REQUEST_ID, SETTINGS
 
 BYPASS_HEADER = "x-prompt-cache"
 
@@ -31,7 +30,6 @@ class Generation:
     info: PromptInfo
     parser: OutputParser
     _events: AsyncIterator
-    started: float
     use_cache: bool = True
     context_length: int = 0
     result: GenerationResult | None = None
@@ -63,7 +61,7 @@ def cache_headers(info: PromptInfo) -> dict[str, str]:
 
 def request_options(request: web.Request) -> tuple[str, bool]:
     """The tenant and whether the cache may be used, from the request's headers."""
-    settings = settings_of(request.app)
+    settings = request.app[SETTINGS]
     tenant = settings.default_tenant
     header = request.headers.get(settings.tenant_header)
     key = _api_key(request)
@@ -100,7 +98,6 @@ async def start(
         first,
         parser,
         events,
-        time.perf_counter(),
         use_cache=req.use_cache,
         context_length=runner.loaded.context_length,
     )

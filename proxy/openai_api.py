@@ -17,7 +17,7 @@ from .errors import ApiError
 from .generation import Generation, request_options, start
 from .output import Part, merge
 from .sse import SSEWriter
-from .state import engine_of
+from .state import ENGINE
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
@@ -244,7 +244,7 @@ async def chat_completions(
     req = chat_request(body, request)
     stream = f.get_bool(body, "stream")
     options = f.get_dict(body, "stream_options", {}) or {}
-    gen = await start(engine_of(request.app), req, request)
+    gen = await start(request.app[ENGINE], req, request)
     rid = "chatcmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
     if not stream:
@@ -329,7 +329,7 @@ async def completions(
     req = completion_request(body, request)
     stream = f.get_bool(body, "stream")
     options = f.get_dict(body, "stream_options", {}) or {}
-    gen = await start(engine_of(request.app), req, request, raw=True)
+    gen = await start(request.app[ENGINE], req, request, raw=True)
     rid = "cmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
 

@@ -40,7 +40,6 @@ class OutputParser:
         # Newlines right after </think> or </tool_call> are layout, not answer text; they
         # may arrive in a later chunk than the tag.
         self._strip_newlines = False
-        self.tool_calls: list[Part] = []
 
     def feed(self, chunk: str) -> list[Part]:
         if self._raw:
@@ -106,9 +105,7 @@ class OutputParser:
                 raise ValueError("bad shape")
         except (ValueError, KeyError, TypeError):
             return Part("text", CALL_OPEN + body + CALL_CLOSE)
-        part = Part("tool_call", call=ToolCall(name, args, new_call_id()))
-        self.tool_calls.append(part)
-        return part
+        return Part("tool_call", call=ToolCall(name, args, new_call_id()))
 
 
 def _partial_tag_len(buf: str, tags: list[str]) -> int:

@@ -23,11 +23,3 @@ class ProxySettings:
 
 ENGINE = web.AppKey("engine", Engine)
 SETTINGS = web.AppKey("settings", ProxySettings)
-
-
-def engine_of(app: web.Application) -> Engine:
-    return app[ENGINE]
-
-
-def settings_of(app: web.Application) -> ProxySettings:
-    return app[SETTINGS]
