@@ -74,11 +74,54 @@ def overhead(settings: Settings, model: ModelSpec) -> ScenarioResult:
         result.rows.append(
             Row(metric, {"ours": lookup[key] * 1e3}, note="engine_bridge.lookup_probe")
         )
+    _cold_series(settings, model, result)
     tokens_ours = [s.prompt_tokens for s in result.of("ours")]
     result.metrics["prompt_tokens_equal_ours_vs_bare"] = float(
         tokens_ours == [b["prompt_tokens"] for b in bare]
     )
     return result.finish()
+
+
+def _cold_series(settings: Settings, model: ModelSpec, result: ScenarioResult) -> None:
+    """Fresh long prompts in a row, each a full miss, while the cache fills with the earlier
+    ones: the miss path must not slow down as the cache grows.
+
+    Both servers run at once and take each prompt in turn, alternating which goes first, so
+    drift on a shared machine falls on both alike.
+    """
+    n = 5
+    tokens = settings.size(1500, 20_000)
+    cpt = chars_per_token(model)
+    # The corpus starts every document alike: a first line of its own makes each prompt
+    # share nothing past a few tokens, with our block chain or mlx_lm.server's token prefix.
+    prompts = []
+    for k in range(n):
+        system, user = traces.chat_trace(settings.seed + 100 + k, 1, tokens, cpt).session(0)
+        system = {**system, "content": f"{k * 7919 % 1000:03d} cold series\n{system['content']}"}
+        prompts.append([system, user])
+    with Harness(settings, result, model) as h, h.serve("ours") as ours, h.serve("mlx_lm") as base:
+        for k, messages in enumerate(prompts):
+            for server in (ours, base) if k % 2 == 0 else (base, ours):
+                sample = h.send(
+                    server, "openai", {"messages": messages, "max_tokens": 1}, k, "cold"
+                )
+                h.progress(f"cold prompt {k + 1}/{n}", server, sample)
+    ttft = {kind: [s.ttft_s for s in result.of(kind, "cold")] for kind in ("ours", "mlx_lm")}
+    per_prompt = [ratio(a, b) for a, b in zip(ttft["ours"], ttft["mlx_lm"], strict=True)]
+    result.metrics |= {f"cold_{k + 1}_ours_over_mlx_lm": r for k, r in enumerate(per_prompt)}
+    prompt_tokens = result.of("ours", "cold")[-1].prompt_tokens
+    result.rows.append(
+        Row(
+            f"TTFT of the fifth fresh {prompt_tokens}-token prompt in a row, cache holding "
+            "the first four (s)",
+            {"ours": ttft["ours"][-1], "mlx_lm": ttft["mlx_lm"][-1]},
+            {
+                "ours / mlx_lm, fifth": per_prompt[-1],
+                "ours / mlx_lm, first": per_prompt[0],
+            },
+            note="per prompt: " + ", ".join(f"{r:.3f}" for r in per_prompt if r is not None),
+        )
+    )
 
 
 def _bare_samples(k: int, bare: dict) -> list[Sample]:
