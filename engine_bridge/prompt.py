@@ -240,7 +240,8 @@ def _layout(render: Render, chat: list[dict[str, Any]], text: str) -> _Layout | 
         log.debug("message starts: the prompt contains a tag character; rendering each prefix")
         return None
     first_rewritten = len(chat)
-    tagged, sent = [], []
+    tagged: list[dict[str, Any]] = []
+    sent: list[dict[str, str]] = []  # per message: tagged field -> its leading blanks
     for i, message in enumerate(chat):
         copy, fields, complete = _tag_message(message, i)
         tagged.append(copy)
@@ -270,7 +271,13 @@ def _layout(render: Render, chat: list[dict[str, Any]], text: str) -> _Layout | 
     last = -1
     for i, fields in enumerate(sent):
         floors.append(last)
-        shown = [(found[(i, f)], f) for f in fields if (i, f) in found]
+        # A field starts at its leading blanks where the prompt kept them, so that the header
+        # before it does not depend on how the text begins.
+        shown = [
+            (at - len(blank) if text[max(0, at - len(blank)) : at] == blank else at, f)
+            for f, blank in fields.items()
+            if (at := found.get((i, f))) is not None
+        ]
         if len(shown) < len(fields):
             first_rewritten = min(first_rewritten, i)
         anchor = min(shown) if shown else None
@@ -283,11 +290,11 @@ def _layout(render: Render, chat: list[dict[str, Any]], text: str) -> _Layout | 
     return _Layout(anchors, first_rewritten, floors)
 
 
-def _tag_message(message: dict[str, Any], i: int) -> tuple[dict[str, Any], list[str], bool]:
-    """A copy with each text field tagged at its first non-blank character, the fields
-    tagged, and False if a non-empty field has no such character (its drop would go unseen)."""
+def _tag_message(message: dict[str, Any], i: int) -> tuple[dict[str, Any], dict[str, str], bool]:
+    """A copy with each text field tagged at its first non-blank character, the fields tagged
+    with their leading blanks, and False if a non-empty field has no such character."""
     copy = dict(message)
-    fields: list[str] = []
+    fields: dict[str, str] = {}
     complete = True
 
     def tag(value: Any, name: str, empty_shows_nothing: bool = True) -> Any:
@@ -298,7 +305,7 @@ def _tag_message(message: dict[str, Any], i: int) -> tuple[dict[str, Any], list[
             complete = False
             return value
         k = len(value) - len(value.lstrip())
-        fields.append(name)
+        fields[name] = value[:k]
         return f"{value[:k]}{_TAG_OPEN}{i}{name}{_TAG_CLOSE}{value[k:]}"
 
     if "content" in message:

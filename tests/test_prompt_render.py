@@ -129,7 +129,9 @@ tools = st.sampled_from([None, [WEATHER]])
 # Conversations with no blanks and no thinking, and some text in every message: the ones the
 # tagged render handles alone.
 named_call = call.filter(lambda c: c.name)
-plain_text = st.lists(st.sampled_from(["Hi", " there", "café", "🎉", "."]), min_size=1, max_size=3)
+plain_text = st.lists(
+    st.sampled_from(["Hi", " there", "café", "🎉", ".", "\n    indented"]), min_size=1, max_size=3
+)
 plain_message = st.one_of(
     st.builds(Message, role=st.just("user"), content=plain_text.map("".join)),
     st.builds(
