@@ -22,7 +22,7 @@ SERVERS_BY_SCENARIO = {
     "chat": {"ours", "nocache", "mlx_lm"},
     "agent": {"ours", "nocache", "mlx_lm"},
     "share": {"ours", "mlx_lm"},
-    "overhead": {"ours", "nocache", "bare"},
+    "overhead": {"ours", "nocache", "bare", "mlx_lm"},  # mlx_lm: the cold series
     "restart": {"ours", "nocache", "mlx_lm"},
 }
 
@@ -230,6 +230,13 @@ def test_bench_quick_runs_end_to_end(tmp_path, demo_root):
         samples = scenario["samples"]
         assert {s["server"] for s in samples} == SERVERS_BY_SCENARIO[name], name
         assert all(s["ok"] and s["ttft_s"] is not None for s in samples), name
+    overhead = by_name["overhead"]
+    cold = [s for s in overhead["samples"] if s["label"] == "cold"]
+    assert sorted((s["server"], s["step"]) for s in cold) == sorted(
+        (server, k) for server in ("ours", "mlx_lm") for k in range(5)
+    )
+    assert all(s["cached_tokens"] <= 3 for s in cold), "cold prompts must share nothing"
+    assert overhead["metrics"]["cold_5_ours_over_mlx_lm"] > 0
     md = (out / "results.md").read_text()
     for name in QUICK_SCENARIOS:
         assert f"| {name} | demo-llama |" in md
