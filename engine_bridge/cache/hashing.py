@@ -88,11 +88,15 @@ def hash_chain(
     tokens: Sequence[int], block_size: int = BLOCK_SIZE, extra_keys: ExtraKeys = ()
 ) -> list[BlockHash]:
     """One hash per full block of `tokens`; a trailing partial block gets none."""
+    return _hash_blocks(chain_root(extra_keys), tokens, block_size)
+
+
+def _hash_blocks(parent: BlockHash, tokens: Sequence[int], block_size: int) -> list[BlockHash]:
+    """The hashes of the full blocks of `tokens`, chained from `parent`."""
     assert block_size > 0, f"block_size {block_size}"
     view = memoryview(pack_tokens(tokens))
     step = block_size * 4
     count = _U32.pack(block_size)
-    parent = chain_root(extra_keys)
     chain = []
     for start in range(0, len(tokens) // block_size * step, step):
         parent = _digest(parent, count, view[start : start + step], _NO_EXTRA, b"")
@@ -133,15 +137,10 @@ class Chain:
         """Append `tokens`, hashing the blocks they complete."""
         if not tokens:
             return
-        bs = self.block_size
-        done = len(self.hashes) * bs
+        done = len(self.hashes)
         self.tokens += tuple(tokens)
-        parent = self.hashes[-1] if self.hashes else self.root
-        count = _U32.pack(bs)
-        view = memoryview(pack_tokens(self.tokens[done:]))
-        for start in range(0, (len(self.tokens) - done) // bs * bs * 4, bs * 4):
-            parent = _digest(parent, count, view[start : start + bs * 4], _NO_EXTRA, b"")
-            self.hashes.append(parent)
+        pending = self.tokens[done * self.block_size :]
+        self.hashes += _hash_blocks(self.anchor(done), pending, self.block_size)
 
     def anchor(self, block: int) -> BlockHash:
         """What positions inside block `block` hang from: the previous block's hash, or the root."""
