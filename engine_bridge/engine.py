@@ -71,7 +71,6 @@ class RequestStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    hit_ratio: float = 0.0
     by_source: dict[str, int] = field(default_factory=lambda: {"ram": 0, "ssd": 0, "none": 0})
     last_cancelled_completion_tokens: int = 0
 
@@ -88,12 +87,15 @@ class RequestStats:
             return
         self.prompt_tokens += r.prompt_tokens
         self.cached_tokens += r.cached_tokens
-        self.hit_ratio = round(self.cached_tokens / self.prompt_tokens, 4)
         self.by_source[r.source] = self.by_source.get(r.source, 0) + 1
         if r.cached_tokens:
             self.hits += 1
         else:
             self.misses += 1
+
+    @property
+    def hit_ratio(self) -> float:
+        return round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0
 
 
 @dataclass(slots=True)
@@ -253,7 +255,7 @@ class Engine:
 
     def stats(self) -> dict:
         """What /v1/cache/stats shows: requests, then every tier's counters as they are."""
-        req = asdict(self.requests)
+        req = asdict(self.requests) | {"hit_ratio": self.requests.hit_ratio}
         return {
             "requests": req,
             "hits": req["hits"],
