@@ -18,7 +18,13 @@ from .cache.manager import CacheManager
 from .cache.ssd import SSDConfig, SSDStore
 from .cache.tiers import TieredCache
 from .demo import DEMO_MODEL_IDS
-from .prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule, render_chat, render_completion
+from .prompt import (
+    CLAUDE_CODE_BILLING_HEADER,
+    NormalizationRule,
+    RenderedPrompt,
+    render_chat,
+    render_completion,
+)
 from .prompt_cache import CachePolicy, ModelCache
 from .runner import Event, Job, Runner
 from .types import EngineError, GenerationRequest, GenerationResult
@@ -209,14 +215,7 @@ class Engine:
         runner = await self.runner(req.model)
         loaded = runner.loaded
         if req.messages is not None:
-            prompt = await asyncio.to_thread(
-                render_chat,
-                loaded.tokenizer,
-                req.messages,
-                req.tools,
-                req.template_kwargs,
-                self.settings.normalization,
-            )
+            prompt = await self._render_chat(loaded, req)
         else:
             prompt = await asyncio.to_thread(render_completion, loaded.tokenizer, req.prompt or "")
         n = len(prompt.tokens)
@@ -243,15 +242,20 @@ class Engine:
 
     async def count_tokens(self, req: GenerationRequest) -> int:
         runner = await self.runner(req.model)
-        prompt = await asyncio.to_thread(
+        return len((await self._render_chat(runner.loaded, req)).tokens)
+
+    async def _render_chat(
+        self, loaded: models.LoadedModel, req: GenerationRequest
+    ) -> RenderedPrompt:
+        return await asyncio.to_thread(
             render_chat,
-            runner.loaded.tokenizer,
+            loaded.tokenizer,
             req.messages or [],
             req.tools,
             req.template_kwargs,
             self.settings.normalization,
+            loaded.prefixes,
         )
-        return len(prompt.tokens)
 
     def stats(self) -> dict:
         """What /v1/cache/stats shows: requests, then every tier's counters as they are."""

@@ -11,7 +11,7 @@ import hashlib
 import logging
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_load
 
 from . import demo, kv
+from .prefix_memo import PrefixMemo
 from .types import EngineError
 
 log = logging.getLogger("engine_bridge.models")
@@ -63,6 +64,8 @@ class LoadedModel:
     context_length: int
     cache_kind: kv.CacheKind
     load_s: float
+    # Rendered message prefixes, so a conversation's next turn renders only its new ones.
+    prefixes: PrefixMemo = field(default_factory=PrefixMemo, repr=False)
 
 
 def resolve(spec: str, cache_dir: Path, lmstudio_dirs: list[Path]) -> ModelRef:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .prefix_memo import RAISED, PrefixDigests, PrefixMemo, prefix_keys, text_digest
 from .types import EngineError, Message
 
 log = logging.getLogger(__name__)
@@ -79,8 +80,13 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
     rules: Sequence[NormalizationRule] = (),
+    memo: PrefixMemo | None = None,
 ) -> RenderedPrompt:
-    """Render with the model's chat template and find each message's first token."""
+    """Render with the model's chat template and find each message's first token.
+
+    With a `memo` (one per model), prefixes rendered for an earlier request are not rendered
+    again: a conversation's next turn renders only its new ones.
+    """
     chat = [m.to_template() for m in normalize_messages(messages, rules)]
     kwargs = dict(template_kwargs or {})
 
@@ -91,7 +97,8 @@ def render_chat(
     tokens, ends = _encode_with_offsets(tokenizer, text)
     starts: list[int] = [0] if chat else []
     index: list[int] = [0] if chat else []
-    for i, length in enumerate(prefix_lengths(render, chat, text), start=1):
+    keys = prefix_keys(chat, tools, kwargs) if memo is not None else None
+    for i, length in enumerate(prefix_lengths(render, chat, text, memo, keys), start=1):
         if length is None:
             continue
         t = bisect.bisect_right(ends, length)
@@ -177,17 +184,55 @@ class _Layout:
     floors: list[int]
 
 
-def prefix_lengths(render: Render, chat: list[dict[str, Any]], text: str) -> list[int | None]:
-    """For i in 1..n-1: len(render(chat[:i])) if it is a prefix of `text`, else None."""
+def prefix_lengths(
+    render: Render,
+    chat: list[dict[str, Any]],
+    text: str,
+    memo: PrefixMemo | None = None,
+    keys: Sequence[bytes] | None = None,
+) -> list[int | None]:
+    """For i in 1..n-1: len(render(chat[:i])) if it is a prefix of `text`, else None.
+
+    `memo` remembers rendered prefixes across requests, under `keys[i]` for chat[:i]
+    (prefix_memo.prefix_keys).
+    """
     n = len(chat)
+    assert memo is None or (keys is not None and len(keys) == n + 1), "memo without keys"
+    digests = PrefixDigests(text)
+    done: dict[int, int | None] = {}
 
     def exact(i: int) -> int | None:
+        if i not in done:
+            found = memo.get(keys[i]) if memo is not None else None
+            done[i] = _render(i) if found is None else _check(*found)
+        return done[i]
+
+    def _check(length: int, digest: bytes) -> int | None:
+        """A remembered prefix: its length if its text opens this prompt."""
+        if (length, digest) == RAISED or length > len(text) or digests.of(length) != digest:
+            return None
+        return length
+
+    def _render(i: int) -> int | None:
         try:
             prefix = render(chat[:i], False)
         except EngineError:
+            if memo is not None:
+                memo.put(keys[i], RAISED)
             return None
+        if memo is not None:
+            memo.put(keys[i], (len(prefix), text_digest(prefix)))
         return len(prefix) if text.startswith(prefix) else None
 
+    if memo is not None:
+        # What earlier requests rendered costs a digest here. A next turn adds a prefix or
+        # two: rendering those beats the tagged render of the whole conversation, unless the
+        # template keeps history as sent (no remembered prefix fell out of this prompt), where
+        # the tagged render places every new start at once.
+        missing = {i for i in range(1, n) if keys[i] not in memo}
+        rewrites = any(exact(i) is None for i in range(1, n) if i not in missing)
+        if len(missing) <= 1 or (len(missing) <= 2 and rewrites):
+            return [exact(i) for i in range(1, n)]
     layout = _layout(render, chat, text) if n > 1 else None
     if layout is None:
         return [exact(i) for i in range(1, n)]

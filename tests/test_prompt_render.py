@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from mlx_lm.utils import load_tokenizer
 
 from engine_bridge import prompt
+from engine_bridge.prefix_memo import PrefixMemo
 from engine_bridge.prompt import (
     CLAUDE_CODE_BILLING_HEADER,
     NormalizationRule,
@@ -62,8 +63,8 @@ def per_prefix_render(tokenizer, messages, tools=None, template_kwargs=None):
     return tokens, text, starts, index
 
 
-def one_pass(tokenizer, messages, tools=None, template_kwargs=None):
-    r = render_chat(tokenizer, messages, tools, template_kwargs)
+def one_pass(tokenizer, messages, tools=None, template_kwargs=None, memo=None):
+    r = render_chat(tokenizer, messages, tools, template_kwargs, memo=memo)
     return r.tokens, r.text, r.message_starts, r.message_index
 
 
@@ -210,6 +211,80 @@ def test_two_hundred_messages_render_the_template_a_constant_number_of_times(tok
     # (message shapes either side, roles seen before) is rendered once, and all eight kinds
     # occur in the first two turns. The old way rendered 199 prefixes, 19,900 messages.
     assert (counting.runs, counting.messages) == (2 + 8, 2 * 201 + sum(range(1, 9)))
+
+
+# -- across requests ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", DEMO_IDS)
+@HYPOTHESIS
+@given(
+    messages=conversation,
+    other=conversation,
+    tools=tools,
+    thinking=st.booleans(),
+    data=st.data(),
+)
+def test_remembered_prefixes_give_the_same_starts_turn_after_turn(
+    tokenizers, model, messages, other, tools, thinking, data
+):
+    # Turns of one conversation, then one that shares only its start with them (an edit),
+    # then the conversation again with other tools: the memo never changes a start.
+    tokenizer = tokenizers[model]
+    kwargs = {"enable_thinking": thinking}
+    memo = PrefixMemo()
+    cut = data.draw(st.integers(0, len(messages)))
+    edited = messages[:cut] + other
+    for turn in [messages[:k] for k in range(1, len(messages) + 1)] + [edited]:
+        assert one_pass(tokenizer, turn, tools, kwargs, memo) == per_prefix_render(
+            tokenizer, turn, tools, kwargs
+        )
+    other_tools = None if tools else [WEATHER]
+    assert one_pass(tokenizer, messages, other_tools, kwargs, memo) == per_prefix_render(
+        tokenizer, messages, other_tools, kwargs
+    )
+
+
+def thinking_session(turns: int) -> list[Message]:
+    """A Claude Code-like session with reasoning on every answer: the demo template drops
+    reasoning before the last user turn, so no single render places those starts."""
+    out = [Message("system", "You are a coding agent. " * 50)]
+    for t in range(turns):
+        out += [
+            Message("user", f"Fix bug {t} in the parser, please. " * 5),
+            Message(
+                "assistant",
+                "",
+                f"Read f{t}.py first.",
+                (ToolCall("read_file", {"path": f"f{t}.py"}),),
+            ),
+            Message("tool", f"def parse_{t}(x):\n    return x\n" * 20, tool_call_id="c"),
+            Message("assistant", f"Fixed bug {t}. " * 3, f"The parser returns early in {t}."),
+        ]
+    return out
+
+
+@pytest.mark.parametrize("session", [agent_session, thinking_session])
+def test_next_turn_renders_only_its_new_prefixes(tokenizers, session):
+    tokenizer = tokenizers["demo-hybrid"]
+    memo = PrefixMemo()
+    turn = [*session(40), Message("user", "Now the lexer.")]
+    one_pass(tokenizer, turn, [WEATHER], memo=memo)
+    # The next request of an agent: the tool call the model answered with, and its result.
+    call = ToolCall("read_file", {"path": "lexer.py"})
+    reasoning = "Read the lexer." if session is thinking_session else None
+    nxt = [
+        *turn,
+        Message("assistant", "", reasoning, (call,)),
+        Message("tool", "def lex(s):\n    return s.split()\n", tool_call_id="c"),
+    ]
+    counting = CountingTokenizer(tokenizer)
+    assert one_pass(counting, nxt, [WEATHER], memo=memo) == per_prefix_render(
+        tokenizer, nxt, [WEATHER]
+    )
+    # The whole prompt, then either the tagged render (a template that keeps history as
+    # sent) or the two new prefixes (one that drops old reasoning); never one per message.
+    assert counting.runs == (2 if session is agent_session else 3), counting.runs
 
 
 def test_thinking_dropped_before_the_last_user_turn_leaves_those_starts_out(tokenizers):
