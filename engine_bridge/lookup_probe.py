@@ -67,9 +67,8 @@ def lookup_costs(n_tokens: int = 32_768, repeats: int = 10) -> dict[str, float]:
         warm.ram.insert_blocks(chain(), {i: Stored(p, _SCOPE) for i, p in payloads.items()})
 
         def ram_hit() -> None:
-            c = chain()
-            warm.lookup(c, _SCOPE, needs_checkpoint=False)
-            warm.ram.release(warm.ram.match(c, needs_checkpoint=False, pin=True))
+            hit = warm.lookup(chain(), _SCOPE, needs_checkpoint=False)
+            warm.ram.release(warm.pin(hit, promoted=False))
 
         ram = _median_s(ram_hit, repeats)
         ram_length = warm.lookup(chain(), _SCOPE, needs_checkpoint=False).length

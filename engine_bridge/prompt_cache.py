@@ -77,11 +77,10 @@ class CacheSession:
         model = self.owner.loaded.model
         snapshots = self.owner.needs_checkpoint
         hit = self.tiers.lookup(self.chain, self.scope, needs_checkpoint=snapshots)
-        source: CacheSource = "ram"
-        if hit.ssd is not None and self.tiers.promote(hit):
-            source = "ssd"
-        # Pinned as it is matched, so nothing is evicted before the copy below is taken.
-        match = self.tiers.ram.match(self.chain, needs_checkpoint=snapshots, pin=True)
+        promoted = hit.ssd is not None and self.tiers.promote(hit)
+        source: CacheSource = "ssd" if promoted else "ram"
+        # Pinned, so nothing is evicted before the copy below is taken.
+        match = self.tiers.pin(hit, promoted=promoted)
         self._log_divergence(hit, match.length)
         if match.length == 0:
             return make_prompt_cache(model), 0, "none"

@@ -107,6 +107,22 @@ def test_promotion_reads_the_run_and_inserts_it_in_one_call(ssd):
     assert ssd.stats().hits == 7 and t.ram.stats().reserved_bytes == 0
 
 
+def test_pin_reuses_the_lookups_match_and_rematches_after_a_promotion(ssd):
+    write(ssd)
+    t = tiers(ssd)
+    c = chain()
+    t.store_blocks(c, SCOPE, {i: block(i) for i in range(3)})
+    hit = t.lookup(c, SCOPE, needs_checkpoint=False)
+    held = t.pin(hit, promoted=False)
+    assert held is hit.ram and held.pinned and t.ram.stats().pinned_bytes > 0
+    t.ram.release(held)
+    assert t.promote(hit)
+    promoted = t.pin(hit, promoted=True)
+    assert (promoted.length, promoted.pinned) == (hit.length, True)
+    t.ram.release(promoted)
+    assert t.ram.stats().pinned_bytes == 0
+
+
 def test_cold_prompt_finds_nothing_and_plans_no_read(ssd):
     write(ssd)
     hit = tiers(ssd).lookup(chain(list(range(900, 930))), SCOPE, needs_checkpoint=False)

@@ -191,6 +191,13 @@ class TieredCache:
                     return p
         return None
 
+    def pin(self, hit: Hit, *, promoted: bool) -> Match:
+        """The match to restore from, pinned: the lookup's own when nothing was promoted,
+        else a fresh one that reaches into what promotion brought up."""
+        if not promoted and hit.ram.length and self.ram.acquire(hit.ram):
+            return hit.ram
+        return self.ram.match(hit.chain, needs_checkpoint=hit.needs_checkpoint, pin=True)
+
     # ---- promotion ----------------------------------------------------------------------
 
     def promote(self, hit: Hit) -> bool:
