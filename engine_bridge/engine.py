@@ -27,7 +27,15 @@ from .prompt import (
 )
 from .prompt_cache import CachePolicy, ModelCache
 from .runner import Event, Job, Runner
-from .types import EngineError, GenerationRequest, GenerationResult
+from .stream import GenerationStream
+from .types import (
+    EngineError,
+    GenerationFailed,
+    GenerationRequest,
+    GenerationResult,
+    ModelInfo,
+    PromptInfo,
+)
 
 log = logging.getLogger("engine_bridge.engine")
 
@@ -214,7 +222,10 @@ class Engine:
         """Tokenize and validate; every client mistake surfaces here, before streaming."""
         runner = await self.runner(req.model)
         loaded = runner.loaded
-        if req.messages is not None:
+        if req.prompt_tokens is not None:
+            text = await asyncio.to_thread(loaded.tokenizer.decode, req.prompt_tokens)
+            prompt = RenderedPrompt(list(req.prompt_tokens), text, [0], [0])
+        elif req.messages is not None:
             prompt = await self._render_chat(loaded, req)
         else:
             prompt = await asyncio.to_thread(render_completion, loaded.tokenizer, req.prompt or "")
@@ -239,6 +250,46 @@ class Engine:
     async def run(self, runner: Runner, job: Job) -> AsyncIterator[Event]:
         async for event in runner.run(job):
             yield event
+
+    async def start(self, req: GenerationRequest) -> GenerationStream:
+        """Validate, queue and look up `req`; returns once its cache hit is known.
+
+        Raises `EngineError` for a request the engine refuses (a 4xx, 429 when the queue is
+        full) and `GenerationFailed` when the engine fails before the first event.
+        """
+        runner, job = await self.prepare(req)
+        events = self.run(runner, job)
+        try:
+            first = await anext(events)
+        except EngineError:
+            await events.aclose()
+            raise
+        except Exception as e:
+            await events.aclose()
+            raise GenerationFailed(f"generation failed: {e}") from e
+        assert isinstance(first, PromptInfo), f"the runner reports the prompt first: {first!r}"
+        return GenerationStream(
+            first,
+            events,
+            context_length=runner.loaded.context_length,
+            opens_in_reasoning=job.prompt.text.rstrip().endswith("<think>"),
+            use_cache=req.use_cache,
+        )
+
+    def model_info(self, model_id: str) -> ModelInfo:
+        entry = self._entries.get(model_id)
+        if entry is None:
+            raise EngineError(f"model {model_id!r} is not served here", field="model", status=404)
+        loaded = entry.runner.loaded if entry.runner else None
+        if loaded is None:
+            return ModelInfo(model_id, loaded=False)
+        return ModelInfo(
+            model_id,
+            loaded=True,
+            arch=loaded.config.get("model_type"),
+            context_length=loaded.context_length,
+            cache_kind=loaded.cache_kind,
+        )
 
     async def count_tokens(self, req: GenerationRequest) -> int:
         runner = await self.runner(req.model)

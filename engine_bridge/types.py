@@ -15,13 +15,32 @@ FinishReason = Literal["stop", "length", "stop_string", "cancelled"]
 
 
 class EngineError(Exception):
-    """A client's mistake found inside the engine (e.g. prompt too long); maps to a 4xx."""
+    """A request the engine refuses before generating (a client's mistake, or no room).
 
-    def __init__(self, message: str, *, field: str | None = None, status: int = 400):
+    Maps to a 4xx in the dialect's error shape; `retry_after_s` (429) says when to retry.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        status: int = 400,
+        retry_after_s: float | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.field = field
         self.status = status
+        self.retry_after_s = retry_after_s
+
+
+class GenerationFailed(Exception):
+    """A generation that had started failed inside the engine; raised from the stream.
+
+    By then the response may be under way, so the proxy ends it with the dialect's own
+    mid-stream error rather than a second response.
+    """
 
 
 @dataclass(slots=True)
@@ -118,6 +137,12 @@ class GenerationRequest:
     request_id: str = ""
     # Extra keyword arguments for the chat template (e.g. enable_thinking).
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Token ids to use as they are, instead of rendering `messages` or encoding `prompt`
+    # (OpenAI legacy completions accept a token array as the prompt).
+    prompt_tokens: list[int] | None = None
+    # Who is asking, for fair scheduling: the client's session id when it sends one
+    # (Claude Code's X-Claude-Code-Session-Id, x-session-id, metadata.user_id, user).
+    session: str = ""
 
 
 @dataclass(slots=True)
@@ -127,6 +152,19 @@ class PromptInfo:
     prompt_tokens: int
     cached_tokens: int
     source: CacheSource
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the engine says about a model it serves; sizes are known once it is loaded."""
+
+    id: str
+    loaded: bool
+    arch: str | None = None
+    context_length: int | None = None
+    cache_kind: str = "unknown"
+    # How many sequences decode together in one step (1 when the cache cannot batch).
+    max_batch: int | None = None
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from engine_bridge.engine import Engine
+from engine_bridge.stream import GenerationStream
 from engine_bridge.types import (
     EngineError,
     GenerationRequest,
@@ -25,27 +26,37 @@ BYPASS_HEADER = "x-prompt-cache"
 
 @dataclass(slots=True)
 class Generation:
-    """A running generation whose prompt has been prefilled (or at least looked up)."""
+    """A started generation, parsed into the parts a dialect writes out."""
 
-    info: PromptInfo
+    stream: GenerationStream
     parser: OutputParser
-    _events: AsyncIterator
-    use_cache: bool = True
-    context_length: int = 0
-    result: GenerationResult | None = None
+
+    @property
+    def info(self) -> PromptInfo:
+        return self.stream.info
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self.stream.result
+
+    @property
+    def use_cache(self) -> bool:
+        return self.stream.use_cache
+
+    @property
+    def context_length(self) -> int:
+        return self.stream.context_length
 
     async def parts(self) -> AsyncIterator[Part]:
-        async for event in self._events:
+        async for event in self.stream:
             if isinstance(event, TokenEvent):
                 for part in self.parser.feed(event.text):
                     yield part
-            elif isinstance(event, GenerationResult):
-                self.result = event
         for part in self.parser.finish():
             yield part
 
     async def aclose(self) -> None:
-        await self._events.aclose()
+        await self.stream.aclose()
 
     @property
     def headers(self) -> dict[str, str]:
@@ -83,21 +94,13 @@ def _api_key(request: web.Request) -> str | None:
 async def start(
     engine: Engine, req: GenerationRequest, request: web.Request, raw: bool = False
 ) -> Generation:
-    """Prepare and queue the request; returns once the cache lookup is done."""
+    """Validate and queue the request; returns once the cache lookup is done."""
     req.request_id = request.get(REQUEST_ID, "")
     try:
-        runner, job = await engine.prepare(req)
+        stream = await engine.start(req)
     except EngineError as e:
         raise ApiError(e.status, e.message, param=e.field) from None
-    events = engine.run(runner, job)
-    first = await anext(events)
-    assert isinstance(first, PromptInfo), f"runner must report the prompt first, got {first!r}"
-    in_reasoning = job.prompt.text.rstrip().endswith("<think>")
-    parser = OutputParser(in_reasoning=in_reasoning, parse_tools=bool(req.tools), raw=raw)
-    return Generation(
-        first,
-        parser,
-        events,
-        use_cache=req.use_cache,
-        context_length=runner.loaded.context_length,
+    parser = OutputParser(
+        in_reasoning=stream.opens_in_reasoning, parse_tools=bool(req.tools), raw=raw
     )
+    return Generation(stream, parser)

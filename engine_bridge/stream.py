@@ -1,0 +1,71 @@
+"""A started generation as proxy/ sees it: what the cache gave, then text and a result."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from .types import CacheSource, GenerationFailed, GenerationResult, PromptInfo, TokenEvent
+
+log = logging.getLogger("engine_bridge.stream")
+
+StreamEvent = TokenEvent | GenerationResult
+
+
+class GenerationStream:
+    """Iterates a generation's `TokenEvent`s, then its one `GenerationResult`.
+
+    It exists once the prompt is looked up in the cache and admitted, so the cache headers
+    (`prompt_tokens`, `cached_tokens`, `source`) are known before the first token. An
+    internal failure surfaces as `GenerationFailed`; `aclose()` (or leaving the iteration)
+    cancels the generation and frees its batch slot within one step.
+    """
+
+    def __init__(
+        self,
+        info: PromptInfo,
+        events: AsyncIterator[StreamEvent],
+        *,
+        context_length: int,
+        opens_in_reasoning: bool,
+        use_cache: bool,
+    ):
+        self.info = info
+        self.context_length = context_length
+        # The prompt ends inside an open reasoning block (a template that prefills <think>).
+        self.opens_in_reasoning = opens_in_reasoning
+        self.use_cache = use_cache
+        self.result: GenerationResult | None = None
+        self._events = events
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.info.prompt_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.info.cached_tokens
+
+    @property
+    def source(self) -> CacheSource:
+        return self.info.source
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        try:
+            event = await anext(self._events)
+        except (StopAsyncIteration, asyncio.CancelledError, GenerationFailed):
+            raise
+        except Exception as e:
+            raise GenerationFailed(f"generation failed: {e}") from e
+        if isinstance(event, GenerationResult):
+            self.result = event
+        return event
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._events, "aclose", None)
+        if aclose is not None:
+            await aclose()
