@@ -63,6 +63,13 @@ class EngineSettings:
     # How long shutdown waits for queued SSD writes.
     ssd_drain_s: float = 10.0
     cache_policy: CachePolicy = field(default_factory=CachePolicy)
+    # The scheduler: how many sequences of one model decode together, how many requests
+    # may wait beyond those (more answer 429), how many prompt tokens one step prefills,
+    # and how many bytes the live K/V of running sequences may take (None: a share of RAM).
+    max_batch: int = 8
+    max_queue: int = 64
+    prefill_chunk: int = 512
+    kv_memory_bytes: int | None = None
     normalization: list[NormalizationRule] = field(
         default_factory=lambda: [CLAUDE_CODE_BILLING_HEADER]
     )
