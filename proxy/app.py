@@ -119,7 +119,7 @@ async def health(request: web.Request) -> web.Response:
         {
             "status": "ok",
             "models": engine.model_ids,
-            "loaded": [m for m in engine.model_ids if engine.loaded(m) is not None],
+            "loaded": [m for m in engine.model_ids if engine.model_info(m).loaded],
         }
     )
 

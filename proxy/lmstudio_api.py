@@ -7,6 +7,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from engine_bridge.engine import Engine
+
 from . import openai_api
 from .fields import parse_json_object, read_body
 from .passthrough import UPSTREAM_CONFIG, UPSTREAM_SESSION, forward, upstream_url
@@ -30,20 +32,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _local_or_forward(request, openai_api.completions)
 
 
-def local_model_entry(engine, model_id: str) -> dict[str, Any]:
-    loaded = engine.loaded(model_id)
+def local_model_entry(engine: Engine, model_id: str) -> dict[str, Any]:
+    info = engine.model_info(model_id)
     entry: dict[str, Any] = {
         "id": model_id,
         "object": "model",
         "type": "llm",
         "publisher": model_id.split("/")[0] if "/" in model_id else "mlx-prompt-cache",
         "compatibility_type": "mlx",
-        "state": "loaded" if loaded is not None else "not-loaded",
+        "state": "loaded" if info.loaded else "not-loaded",
         "owned_by": "mlx-prompt-cache",
     }
-    if loaded is not None:
-        entry["arch"] = loaded.config.get("model_type", "unknown")
-        entry["max_context_length"] = loaded.context_length
+    if info.loaded:
+        entry["arch"] = info.arch or "unknown"
+    if info.context_length is not None:
+        entry["max_context_length"] = info.context_length
     return entry
 
 
