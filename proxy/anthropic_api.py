@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from engine_bridge.types import EngineError, GenerationRequest, Message, Sampling, ToolCall
+from engine_bridge.types import GenerationRequest, Message, Sampling, ToolCall
 
 from . import fields as f
 from .errors import ApiError
@@ -75,7 +75,9 @@ def parse_messages(body: dict) -> list[Message]:
             continue
         if not isinstance(content, list):
             raise ApiError(
-                400, f"{where}.content: expected a string or an array of blocks", param="messages"
+                400,
+                f"{where}.content: expected a string or an array of blocks",
+                param="messages",
             )
         if role == "assistant":
             out.append(_assistant(content, where))
@@ -356,7 +358,11 @@ async def messages(request: web.Request, body: dict) -> web.StreamResponse:
                 )
                 await sse.event(
                     "content_block_start",
-                    {"type": "content_block_start", "index": index, "content_block": start_block},
+                    {
+                        "type": "content_block_start",
+                        "index": index,
+                        "content_block": start_block,
+                    },
                 )
             delta = (
                 {"type": "text_delta", "text": p.text}
@@ -378,7 +384,7 @@ async def messages(request: web.Request, body: dict) -> web.StreamResponse:
             },
         )
         await sse.event("message_stop", {"type": "message_stop"})
-        await sse.response.write_eof()
+        await sse.end()
     finally:
         await gen.aclose()
     return sse.response
@@ -387,8 +393,5 @@ async def messages(request: web.Request, body: dict) -> web.StreamResponse:
 async def count_tokens(request: web.Request, body: dict) -> web.Response:
     model = f.get_str(body, "model", nonempty=True)
     req = GenerationRequest(model=model, messages=build_messages(body), tools=parse_tools(body))
-    try:
-        n = await request.app[ENGINE].count_tokens(req)
-    except EngineError as e:
-        raise ApiError(e.status, e.message, param=e.field) from None
+    n = await request.app[ENGINE].count_tokens(req)
     return web.json_response({"input_tokens": n})

@@ -12,10 +12,11 @@ from aiohttp import web
 
 from engine_bridge.engine import Engine
 from engine_bridge.logctx import request_id
+from engine_bridge.types import EngineError
 
 from . import anthropic_api, lmstudio_api, openai_api
 from .config import UpstreamConfig
-from .errors import ApiError, Dialect, error_response
+from .errors import ApiError, Dialect, api_error, error_response
 from .fields import parse_json_object, read_body
 from .passthrough import (
     LOCAL_OWNER,
@@ -25,6 +26,7 @@ from .passthrough import (
     setup_passthrough,
     upstream_models,
 )
+from .sse import STREAM
 from .state import ENGINE, REQUEST_ID, SETTINGS, ProxySettings
 
 log = logging.getLogger("proxy.app")
@@ -49,19 +51,23 @@ async def request_context(request: web.Request, handler):
         status = response.status
         response.headers.setdefault("x-request-id", rid)
         return response
-    except ApiError as e:
-        status = e.status
-        log.info("%s %s -> %d: %s", request.method, request.path, e.status, e.message)
-        return error_response(e, dialect_for(request.path), {"x-request-id": rid})
     except web.HTTPException as e:
         status = e.status
         raise
-    except Exception:
-        log.exception("%s %s failed", request.method, request.path)
-        err = ApiError(
-            500, "internal error while serving the request; see the server log", code="internal"
-        )
-        return error_response(err, dialect_for(request.path), {"x-request-id": rid})
+    except Exception as e:
+        err = api_error(e)
+        status = err.status
+        if isinstance(e, ApiError | EngineError):
+            log.info("%s %s -> %d: %s", request.method, request.path, err.status, err.message)
+        else:
+            log.exception("%s %s failed", request.method, request.path)
+        dialect = dialect_for(request.path)
+        stream = request.get(STREAM)
+        if stream is not None:
+            # The 200 and part of the body are out: end the stream in-band instead.
+            await stream.fail(err, dialect)
+            return stream.response
+        return error_response(err, dialect, {**err.headers, "x-request-id": rid})
     finally:
         log.info(
             "%s %s %d %.0fms",

@@ -10,14 +10,12 @@ from aiohttp import web
 from engine_bridge.engine import Engine
 from engine_bridge.stream import GenerationStream
 from engine_bridge.types import (
-    EngineError,
     GenerationRequest,
     GenerationResult,
     PromptInfo,
     TokenEvent,
 )
 
-from .errors import ApiError
 from .output import OutputParser, Part
 from .state import REQUEST_ID, SETTINGS
 
@@ -96,10 +94,9 @@ async def start(
 ) -> Generation:
     """Validate and queue the request; returns once the cache lookup is done."""
     req.request_id = request.get(REQUEST_ID, "")
-    try:
-        stream = await engine.start(req)
-    except EngineError as e:
-        raise ApiError(e.status, e.message, param=e.field) from None
+    # EngineError (a 4xx, or 429 when the queue is full) and GenerationFailed propagate:
+    # the app's middleware maps every error to the dialect's shape in one place.
+    stream = await engine.start(req)
     parser = OutputParser(
         in_reasoning=stream.opens_in_reasoning, parse_tools=bool(req.tools), raw=raw
     )

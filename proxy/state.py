@@ -8,8 +8,8 @@ from aiohttp import web
 
 from engine_bridge.engine import Engine
 
-# Key in the per-request dict, set by the request-id middleware.
-REQUEST_ID = "request_id"
+# Set on every request by the request-id middleware.
+REQUEST_ID = web.RequestKey("request_id", str)
 
 
 @dataclass(slots=True)
