@@ -13,7 +13,7 @@ from engine_bridge.types import GenerationRequest, Message, Sampling, ToolCall
 
 from . import fields as f
 from .errors import ApiError
-from .generation import Generation, request_options, start
+from .generation import Generation, request_options, session_id, start
 from .output import Part, merge
 from .sse import SSEWriter
 from .state import ENGINE
@@ -75,9 +75,7 @@ def parse_messages(body: dict) -> list[Message]:
             continue
         if not isinstance(content, list):
             raise ApiError(
-                400,
-                f"{where}.content: expected a string or an array of blocks",
-                param="messages",
+                400, f"{where}.content: expected a string or an array of blocks", param="messages"
             )
         if role == "assistant":
             out.append(_assistant(content, where))
@@ -189,7 +187,8 @@ def messages_request(body: dict, request: web.Request) -> GenerationRequest:
     max_tokens = f.get_int(body, "max_tokens", None, lo=1)
     if max_tokens is None:
         raise ApiError(400, "max_tokens: field required", param="max_tokens")
-    f.get_dict(body, "metadata")
+    metadata = f.get_dict(body, "metadata") or {}
+    user_id = f.get_str(metadata, "user_id", None, where="metadata.user_id")
     thinking = f.get_dict(body, "thinking")
     kwargs: dict[str, Any] = {}
     if thinking is not None:
@@ -210,6 +209,7 @@ def messages_request(body: dict, request: web.Request) -> GenerationRequest:
         tenant=tenant,
         use_cache=use_cache,
         template_kwargs=kwargs,
+        session=session_id(request, user_id),
     )
 
 
@@ -358,11 +358,7 @@ async def messages(request: web.Request, body: dict) -> web.StreamResponse:
                 )
                 await sse.event(
                     "content_block_start",
-                    {
-                        "type": "content_block_start",
-                        "index": index,
-                        "content_block": start_block,
-                    },
+                    {"type": "content_block_start", "index": index, "content_block": start_block},
                 )
             delta = (
                 {"type": "text_delta", "text": p.text}

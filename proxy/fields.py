@@ -65,16 +65,25 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def get_str(body: dict, name: str, default: Any = _MISSING, *, nonempty: bool = False) -> Any:
+def get_str(
+    body: dict,
+    name: str,
+    default: Any = _MISSING,
+    *,
+    nonempty: bool = False,
+    where: str | None = None,
+) -> Any:
+    """`where` names a nested field in errors (`metadata.user_id` for `user_id`)."""
+    where = where or name
     value = body.get(name, _MISSING)
     if value is _MISSING or value is None:
         if default is _MISSING:
-            raise ApiError(400, f"{name}: field required", param=name)
+            raise ApiError(400, f"{where}: field required", param=where)
         return default
     if not isinstance(value, str):
-        raise _type_error(name, "a string", value)
+        raise _type_error(where, "a string", value)
     if nonempty and not value:
-        raise ApiError(400, f"{name}: must not be empty", param=name)
+        raise ApiError(400, f"{where}: must not be empty", param=where)
     return value
 
 

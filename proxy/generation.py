@@ -82,6 +82,18 @@ def request_options(request: web.Request) -> tuple[str, bool]:
     return tenant, not bypass and settings.cache_enabled
 
 
+# Who is asking, for the engine's fair scheduling; the body's own id comes after these.
+SESSION_HEADERS = ("X-Claude-Code-Session-Id", "x-session-id")
+
+
+def session_id(request: web.Request, from_body: str | None) -> str:
+    """The client's session: a session header, else the dialect's user field, else ""."""
+    for name in SESSION_HEADERS:
+        if value := request.headers.get(name, "").strip():
+            return value
+    return from_body or ""
+
+
 def _api_key(request: web.Request) -> str | None:
     auth = request.headers.get("authorization", "")
     if auth.lower().startswith("bearer "):

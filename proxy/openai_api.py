@@ -14,7 +14,7 @@ from engine_bridge.types import GenerationRequest, Message, Sampling, ToolCall
 
 from . import fields as f
 from .errors import ApiError
-from .generation import Generation, request_options, start
+from .generation import Generation, request_options, session_id, start
 from .output import Part, merge
 from .sse import SSEWriter
 from .state import ENGINE
@@ -159,6 +159,7 @@ def _common(body: dict, request: web.Request) -> dict[str, Any]:
         sampling=parse_sampling(body),
         tenant=tenant,
         use_cache=use_cache,
+        session=session_id(request, f.get_str(body, "user", None)),
     )
 
 
@@ -173,11 +174,35 @@ def chat_request(body: dict, request: web.Request) -> GenerationRequest:
 def completion_request(body: dict, request: web.Request) -> GenerationRequest:
     common = _common(body, request)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise ApiError(400, "prompt: expected a string", param="prompt")
-    return GenerationRequest(prompt=prompt, **common)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        return GenerationRequest(prompt=prompt, **common)
+    return GenerationRequest(prompt_tokens=parse_token_prompt(prompt), **common)
+
+
+def parse_token_prompt(prompt: Any) -> list[int]:
+    """A prompt given as token ids, which the engine uses as they are."""
+    if not isinstance(prompt, list):
+        raise ApiError(
+            400,
+            f"prompt: expected a string or an array of token ids, got {type(prompt).__name__}",
+            param="prompt",
+        )
+    if not prompt:
+        raise ApiError(400, "prompt: the token array is empty", param="prompt")
+    if len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise ApiError(
+            400, f"prompt: one prompt per request is supported, got {len(prompt)}", param="prompt"
+        )
+    for i, token in enumerate(prompt):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ApiError(
+                400,
+                f"prompt[{i}]: a token id must be a non-negative integer, got {token!r}",
+                param="prompt",
+            )
+    return prompt
 
 
 def usage(gen: Generation) -> dict[str, Any]:

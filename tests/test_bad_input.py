@@ -42,6 +42,14 @@ CASES = [
         "content",
     ),
     ("/v1/completions", {"model": "demo-llama", "prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"model": "demo-llama", "prompt": []}, 400, "prompt: the token array"),
+    ("/v1/completions", {"model": "demo-llama", "prompt": [[]]}, 400, "prompt: the token array"),
+    ("/v1/completions", {"model": "demo-llama", "prompt": [3, -1]}, 400, "prompt[1]"),
+    ("/v1/completions", {"model": "demo-llama", "prompt": [1.5]}, 400, "prompt[0]"),
+    ("/v1/completions", {"model": "demo-llama", "prompt": [True]}, 400, "prompt[0]"),
+    ("/v1/completions", {"model": "demo-llama", "prompt": ["a", "b"]}, 400, "one prompt"),
+    ("/v1/completions", {"model": "demo-llama", "prompt": "x", "user": 5}, 400, "user"),
+    ("/v1/chat/completions", {**OK_CHAT, "user": ["u"]}, 400, "user: expected a string"),
     ("/v1/messages", b"{not json", 400, "not valid JSON"),
     (
         "/v1/messages",
@@ -56,6 +64,13 @@ CASES = [
     ("/v1/messages", {**OK_MSG, "model": "nope"}, 404, "nope"),
     ("/v1/messages", {**OK_MSG, "max_tokens": 10_000_000}, 400, "max_tokens"),
     ("/v1/messages", {**OK_MSG, "system": 12}, 400, "system"),
+    ("/v1/messages", {**OK_MSG, "metadata": "m"}, 400, "metadata"),
+    (
+        "/v1/messages",
+        {**OK_MSG, "metadata": {"user_id": 7}},
+        400,
+        "metadata.user_id: expected a string",
+    ),
     ("/v1/messages/count_tokens", {"model": "demo-llama"}, 400, "messages"),
 ]
 

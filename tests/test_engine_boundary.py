@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
 
 import anthropic
 import openai
@@ -36,13 +37,7 @@ ROUTES = {**OPENAI_ROUTES, "/v1/messages": {"messages": USER}}
 
 
 def body(route: str, **extra) -> dict:
-    return {
-        "model": MODEL,
-        "max_tokens": 24,
-        "temperature": 0,
-        **ROUTES[route],
-        **extra,
-    }
+    return {"model": MODEL, "max_tokens": 24, "temperature": 0, **ROUTES[route], **extra}
 
 
 class Fault:
@@ -161,10 +156,7 @@ async def test_anthropic_stream_failing_mid_generation_ends_with_error_event(app
     assert error["type"] == "error"
     assert error["error"]["type"] == "api_error"
     assert "injected fault" in error["error"]["message"]
-    assert set(error) == {"type", "error"} and set(error["error"]) == {
-        "type",
-        "message",
-    }
+    assert set(error) == {"type", "error"} and set(error["error"]) == {"type", "message"}
 
 
 async def test_sdks_raise_the_mid_stream_error(app, fault):
@@ -229,8 +221,7 @@ async def test_failure_before_the_first_event_is_a_plain_500(app, monkeypatch, r
 
 
 @pytest.mark.parametrize(
-    "retry_after_s,header",
-    [(2.2, "3"), (0.1, "1"), (0.0, "1"), (None, "1"), (30, "30")],
+    "retry_after_s,header", [(2.2, "3"), (0.1, "1"), (0.0, "1"), (None, "1"), (30, "30")]
 )
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages", "/api/v0/completions"])
 async def test_engine_429_has_retry_after_seconds_and_the_dialect_shape(
@@ -270,6 +261,77 @@ async def test_engine_4xx_names_its_field_in_both_dialects(app, monkeypatch):
     r = await app.post("/v1/messages", body("/v1/messages"))
     assert r.status == 400
     assert (await r.json())["error"]["type"] == "invalid_request_error"
+
+
+# ---------------------------------------------------------------------------------------
+# What the proxy hands the engine: the session, token prompts
+
+
+SESSION_CASES = [
+    # (route, headers, extra body, expected session)
+    ("/v1/messages", {}, {}, ""),
+    ("/v1/chat/completions", {}, {}, ""),
+    ("/v1/messages", {}, {"metadata": {"user_id": "u1"}}, "u1"),
+    ("/v1/chat/completions", {}, {"user": "u2"}, "u2"),
+    ("/v1/completions", {}, {"user": "u3"}, "u3"),
+    ("/api/v0/chat/completions", {}, {"user": "u4"}, "u4"),
+    ("/v1/messages", {"x-session-id": "s1"}, {"metadata": {"user_id": "u1"}}, "s1"),
+    ("/v1/chat/completions", {"x-session-id": "s2"}, {"user": "u2"}, "s2"),
+    (
+        "/v1/messages",
+        {"X-Claude-Code-Session-Id": "cc", "x-session-id": "s1"},
+        {"metadata": {"user_id": "u1"}},
+        "cc",
+    ),
+    ("/v1/chat/completions", {"X-Claude-Code-Session-Id": "cc"}, {"user": "u2"}, "cc"),
+    ("/v1/messages", {}, {"metadata": {}}, ""),
+    ("/v1/messages", {}, {"metadata": {"user_id": None}}, ""),
+]
+
+
+@pytest.mark.parametrize("route,headers,extra,session", SESSION_CASES)
+async def test_session_comes_from_headers_then_the_body(
+    app, monkeypatch, route, headers, extra, session
+):
+    seen = refuse_with(app, monkeypatch, EngineError("stop here", status=503))
+    r = await app.post(route, body(route, **extra), headers=headers)
+    assert r.status == 503
+    assert [req.session for req in seen] == [session]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_root):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(Path(demo_root) / "models" / MODEL))
+
+
+async def test_token_array_prompt_generates_as_its_text_does(app, tokenizer):
+    text = "The prompt cache keeps"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    common = {"model": MODEL, "max_tokens": 8, "temperature": 0}
+    # Each request bypasses the cache, so the second cannot be served from the first.
+    bypass = {"x-prompt-cache": "bypass"}
+    by_text = await (
+        await app.post("/v1/completions", {**common, "prompt": text}, headers=bypass)
+    ).json()
+    by_ids = await (
+        await app.post("/v1/completions", {**common, "prompt": ids}, headers=bypass)
+    ).json()
+    nested = await (
+        await app.post("/v1/completions", {**common, "prompt": [ids]}, headers=bypass)
+    ).json()
+    assert by_text["usage"]["prompt_tokens"] == len(ids)
+    assert by_ids["usage"]["prompt_tokens"] == len(ids)
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+    assert nested["choices"][0]["text"] == by_text["choices"][0]["text"]
+
+
+async def test_token_array_prompt_reaches_the_engine_as_tokens(app, monkeypatch):
+    seen = refuse_with(app, monkeypatch, EngineError("stop here", status=503))
+    await app.post("/v1/completions", {"model": MODEL, "prompt": [5, 0, 17]})
+    await app.post("/v1/completions", {"model": MODEL, "prompt": "text"})
+    assert [(r.prompt_tokens, r.prompt) for r in seen] == [([5, 0, 17], None), (None, "text")]
 
 
 # ---------------------------------------------------------------------------------------
