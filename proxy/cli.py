@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--ram-budget", help='RAM tier budget: "20%%" of available or a size like "8GB"'
     )
     serve.add_argument(
+        "--max-batch",
+        type=int,
+        metavar="N",
+        help="sequences of one model decoded together (default 8)",
+    )
+    serve.add_argument(
         "--print-config", action="store_true", help="print the effective config as TOML and exit"
     )
     models = sub.add_parser("models", help="list models found in LM Studio's folders")
@@ -202,6 +208,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "models.serve": args.models,
         "cache.ssd.dir": str(args.cache_dir) if args.cache_dir else None,
         "cache.ram.budget": args.ram_budget,
+        "engine.max_batch": args.max_batch,
         "upstream.url": args.upstream,
         "cache.enabled": False if args.no_cache else None,
     }

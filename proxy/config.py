@@ -6,6 +6,7 @@ upper-cased, dots turned into underscores::
     server.port          -> MLX_PROMPT_CACHE_SERVER_PORT=1236
     upstream.url         -> MLX_PROMPT_CACHE_UPSTREAM_URL=http://127.0.0.1:1234
     models.serve         -> MLX_PROMPT_CACHE_MODELS_SERVE=demo-llama,demo-hybrid
+    engine.max_batch     -> MLX_PROMPT_CACHE_ENGINE_MAX_BATCH=4
     cache.ram.budget     -> MLX_PROMPT_CACHE_CACHE_RAM_BUDGET=8GB
     cache.ssd.dir        -> MLX_PROMPT_CACHE_CACHE_SSD_DIR=/Volumes/fast/cache
     tenants.api_keys     -> MLX_PROMPT_CACHE_TENANTS_API_KEYS=sk-a=alice,sk-b=bob
@@ -37,6 +38,7 @@ from proxy.tomltext import Origins
 from proxy.units import RAM_BUDGET_FLOOR as RAM_BUDGET_FLOOR
 from proxy.units import parse_duration as parse_duration
 from proxy.units import parse_size as parse_size
+from proxy.units import resolve_kv_memory as resolve_kv_memory
 from proxy.units import resolve_ram_budget as resolve_ram_budget
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,19 @@ class ModelsConfig:
         default_factory=lambda: ["~/.lmstudio/models", "~/.cache/lm-studio/models"]
     )
     idle_unload_s: float | None = None
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    # Sequences of one model that decode together in one step.
+    max_batch: int = 8
+    # Requests that may wait beyond a full batch; more are answered 429 with Retry-After.
+    max_queue: int = 64
+    # Prompt tokens one step prefills, so a long prompt does not stall the batch's decoding.
+    prefill_chunk: int = 512
+    # Cap on the live K/V of running sequences: "4GB", "30%" of RAM; None leaves it to
+    # the engine.
+    kv_memory: str | int | None = None
 
 
 @dataclass(slots=True)
@@ -146,6 +161,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     models: ModelsConfig = field(default_factory=ModelsConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
     normalization: NormalizationConfig = field(default_factory=NormalizationConfig)
@@ -328,6 +344,16 @@ def _validate(config: Config, origins: Origins) -> None:
     check("upstream.connect_timeout_s", u.connect_timeout_s > 0, "must be positive")
     idle = config.models.idle_unload_s
     check("models.idle_unload_s", idle is None or idle > 0, "must be positive")
+    e = config.engine
+    check("engine.max_batch", e.max_batch >= 1, f"must be at least 1, got {e.max_batch}")
+    check("engine.max_queue", e.max_queue >= 0, f"must be 0 or more, got {e.max_queue}")
+    check(
+        "engine.prefill_chunk",
+        e.prefill_chunk >= 16,
+        f"must be at least 16 tokens, got {e.prefill_chunk}",
+    )
+    if e.kv_memory is not None:
+        parses("engine.kv_memory", lambda v: resolve_kv_memory(v, 1 << 30), e.kv_memory)
     check("cache.block_size", c.block_size > 0, "must be positive")
     parses("cache.ram.budget", lambda v: resolve_ram_budget(v, 0), c.ram.budget)
     check("cache.ram.quantize_bits", c.ram.quantize_bits in (0, 4, 8), "must be 0, 4 or 8")

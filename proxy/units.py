@@ -50,6 +50,23 @@ def resolve_ram_budget(spec: str | int, available_bytes: int) -> int:
     return parse_size(spec)
 
 
+def resolve_kv_memory(spec: str | int, total_bytes: int) -> int:
+    """The running sequences' K/V cap in bytes: ``"30%"`` of all RAM, or a size."""
+    if isinstance(spec, str) and spec.strip().endswith("%"):
+        text = spec.strip()[:-1].strip()
+        try:
+            percent = float(text)
+        except ValueError:
+            raise ValueError(f"invalid KV memory {spec!r}: expected e.g. '30%'") from None
+        if not 0 < percent <= 100:
+            raise ValueError(f"invalid KV memory {spec!r}: percent must be in (0, 100]")
+        return int(total_bytes * percent / 100)
+    size = parse_size(spec)
+    if size == 0:
+        raise ValueError(f"invalid KV memory {spec!r}: must be more than 0 bytes")
+    return size
+
+
 _DURATION_PART_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", re.IGNORECASE)
 _DURATION_UNITS = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
 

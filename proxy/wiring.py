@@ -11,7 +11,7 @@ from engine_bridge.engine import EngineSettings
 from engine_bridge.prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from engine_bridge.prompt_cache import CachePolicy
 
-from .config import Config, parse_duration, parse_size, resolve_ram_budget
+from .config import Config, parse_duration, parse_size, resolve_kv_memory, resolve_ram_budget
 from .state import ProxySettings
 
 
@@ -28,6 +28,8 @@ def normalization_rules(config: Config) -> list[NormalizationRule]:
 
 def engine_settings(config: Config) -> EngineSettings:
     cache = config.cache
+    engine = config.engine
+    ram = psutil.virtual_memory()
     return EngineSettings(
         cache_dir=cache.ssd.path,
         model_specs=list(config.models.serve),
@@ -35,7 +37,13 @@ def engine_settings(config: Config) -> EngineSettings:
         serve_all_mlx=config.models.serve_all_mlx,
         idle_unload_s=config.models.idle_unload_s,
         cache_enabled=cache.enabled,
-        ram_budget_bytes=resolve_ram_budget(cache.ram.budget, psutil.virtual_memory().available),
+        ram_budget_bytes=resolve_ram_budget(cache.ram.budget, ram.available),
+        max_batch=engine.max_batch,
+        max_queue=engine.max_queue,
+        prefill_chunk=engine.prefill_chunk,
+        kv_memory_bytes=None
+        if engine.kv_memory is None
+        else resolve_kv_memory(engine.kv_memory, ram.total),
         cache_policy=CachePolicy(
             block_size=cache.block_size,
             checkpoint_interval=cache.ram.checkpoint_interval,

@@ -7,6 +7,7 @@ import textwrap
 import tomllib
 from pathlib import Path
 
+import psutil
 import pytest
 
 from proxy import config as config_module
@@ -20,9 +21,11 @@ from proxy.config import (
     load_config,
     parse_duration,
     parse_size,
+    resolve_kv_memory,
     resolve_ram_budget,
 )
 from proxy.tomltext import key_lines
+from proxy.wiring import engine_settings
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,6 +58,8 @@ def test_defaults():
     assert c.models.serve_all_mlx is False
     assert c.models.lmstudio_dirs == ["~/.lmstudio/models", "~/.cache/lm-studio/models"]
     assert c.models.idle_unload_s is None
+    e = c.engine
+    assert (e.max_batch, e.max_queue, e.prefill_chunk, e.kv_memory) == (8, 64, 512, None)
     assert (c.cache.enabled, c.cache.block_size) == (True, 64)
     assert (c.cache.ram.budget, c.cache.ram.quantize_bits, c.cache.ram.checkpoint_interval) == (
         "20%",
@@ -154,6 +159,31 @@ def test_flags_override_env_and_file(tmp_path):
     assert c.upstream.url == "http://127.0.0.1:1234"
 
 
+def test_engine_keys_from_file_env_and_flag_reach_engine_settings(tmp_path):
+    path = write(tmp_path, "[engine]\nmax_batch = 2\nmax_queue = 5\nkv_memory = '4GB'\n")
+    env = {"MLX_PROMPT_CACHE_ENGINE_MAX_QUEUE": "0", "MLX_PROMPT_CACHE_ENGINE_PREFILL_CHUNK": "64"}
+    c = load_config(path, env, {"engine.max_batch": 3})
+    assert (c.engine.max_batch, c.engine.max_queue, c.engine.prefill_chunk) == (3, 0, 64)
+    s = engine_settings(c)
+    assert (s.max_batch, s.max_queue, s.prefill_chunk) == (3, 0, 64)
+    assert s.kv_memory_bytes == 4 * 10**9
+    assert engine_settings(Config()).kv_memory_bytes is None  # the engine picks its own
+    share = engine_settings(load_config(None, {"MLX_PROMPT_CACHE_ENGINE_KV_MEMORY": "25%"}, {}))
+    assert share.kv_memory_bytes == psutil.virtual_memory().total // 4
+    cleared = load_config(path, {"MLX_PROMPT_CACHE_ENGINE_KV_MEMORY": ""}, {})
+    assert cleared.engine.kv_memory is None
+
+
+def test_serve_max_batch_flag_sets_engine_max_batch():
+    from proxy.cli import _overrides, build_parser
+
+    args = build_parser().parse_args(["serve", "--max-batch", "3"])
+    assert load_config(None, {}, _overrides(args)).engine.max_batch == 3
+    args = build_parser().parse_args(["serve", "--max-batch", "0"])
+    with pytest.raises(ConfigError, match="engine.max_batch: must be at least 1"):
+        load_config(None, {}, _overrides(args))
+
+
 def test_override_paths_become_strings():
     c = load_config(None, {}, {"cache.ssd.dir": Path("/tmp/cache-dir")})
     assert c.cache.ssd.dir == "/tmp/cache-dir"
@@ -251,6 +281,10 @@ def test_env_var_names_cover_fixed_design_keys():
     assert names["MLX_PROMPT_CACHE_CACHE_RAM_BUDGET"] == "cache.ram.budget"
     assert names["MLX_PROMPT_CACHE_CACHE_SSD_DIR"] == "cache.ssd.dir"
     assert names["MLX_PROMPT_CACHE_CACHE_SSD_MAX_SIZE"] == "cache.ssd.max_size"
+    assert names["MLX_PROMPT_CACHE_ENGINE_MAX_BATCH"] == "engine.max_batch"
+    assert names["MLX_PROMPT_CACHE_ENGINE_MAX_QUEUE"] == "engine.max_queue"
+    assert names["MLX_PROMPT_CACHE_ENGINE_PREFILL_CHUNK"] == "engine.prefill_chunk"
+    assert names["MLX_PROMPT_CACHE_ENGINE_KV_MEMORY"] == "engine.kv_memory"
     assert "normalization.rules" not in names.values()
 
 
@@ -380,6 +414,13 @@ def test_bool_is_not_an_int_and_int_widens_to_float(tmp_path):
         ("[cache.ram]\nbudget = 'lots'", "cache.ram.budget", "invalid size"),
         ("[cache.ram]\nbudget = '150%'", "cache.ram.budget", "percent must be in"),
         ("[cache.ram]\nquantize_bits = 6", "cache.ram.quantize_bits", "must be 0, 4 or 8"),
+        ("[engine]\nmax_batch = 0", "engine.max_batch", "must be at least 1, got 0"),
+        ("[engine]\nmax_queue = -1", "engine.max_queue", "must be 0 or more, got -1"),
+        ("[engine]\nprefill_chunk = 8", "engine.prefill_chunk", "at least 16 tokens, got 8"),
+        ("[engine]\nkv_memory = 'lots'", "engine.kv_memory", "invalid size"),
+        ("[engine]\nkv_memory = '0%'", "engine.kv_memory", "percent must be in"),
+        ("[engine]\nkv_memory = 0", "engine.kv_memory", "more than 0 bytes"),
+        ("[engine]\nmax_batch = '8'", "engine.max_batch", "expected an integer"),
         ("[cache.ssd]\nmax_size = '10 parsecs'", "cache.ssd.max_size", "invalid size"),
         ("[cache.ssd]\nttl = 'forever'", "cache.ssd.ttl", "invalid duration"),
         ("[[normalization.rules]]\nname='x'\npattern='('", "rules[0].pattern", "invalid regex"),
@@ -426,6 +467,10 @@ def test_print_config_round_trips_everything_set(tmp_path):
         [models]
         serve = ["demo-llama", "/Users/me/models/qwen \"quoted\""]
         idle_unload_s = 600
+        [engine]
+        max_batch = 2
+        max_queue = 0
+        kv_memory = "30%"
         [cache.ram]
         budget = 8000000000
         quantize_bits = 4
@@ -451,6 +496,7 @@ def test_print_config_round_trips_everything_set(tmp_path):
     assert again == config
     assert again.cache.ssd.dir == "/env/dir"  # the effective config, not just the file
     assert again.cache.ram.budget == 8000000000
+    assert (again.engine.max_batch, again.engine.max_queue, again.engine.kv_memory) == (2, 0, "30%")
     assert again.tenants.api_keys["key with spaces.and.dots"] == "bob"
     assert again.normalization.rules[0].replacement == "<date>\té"
 
@@ -516,6 +562,16 @@ def test_parse_size(spec, expected):
 def test_parse_size_rejects(spec):
     with pytest.raises(ValueError):
         parse_size(spec)
+
+
+def test_resolve_kv_memory():
+    gib = 2**30
+    assert resolve_kv_memory("30%", 100 * gib) == 30 * gib
+    assert resolve_kv_memory("4GB", 1) == 4 * 10**9
+    assert resolve_kv_memory(4096, gib) == 4096
+    for bad in ("0%", "101%", "x%", "0", 0, "lots"):
+        with pytest.raises(ValueError):
+            resolve_kv_memory(bad, gib)
 
 
 def test_resolve_ram_budget():

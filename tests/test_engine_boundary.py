@@ -8,11 +8,13 @@ event) is raised from `Engine.start`, the boundary itself.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
 import anthropic
+import httpx
 import openai
 import orjson
 import pytest
@@ -23,7 +25,7 @@ from engine_bridge.types import EngineError, GenerationFailed, GenerationRequest
 from proxy.app import create_app
 from proxy.config import UpstreamConfig
 from proxy.state import ProxySettings
-from tests.conftest import fresh_cache_dir
+from tests.conftest import fresh_cache_dir, start_server
 
 MODEL = "demo-llama"
 USER = [{"role": "user", "content": "hi"}]
@@ -355,3 +357,93 @@ async def test_health_and_lmstudio_models_show_what_model_info_says(app):
     assert entry["state"] == "loaded"
     assert entry["arch"] == info.arch == "llama"
     assert entry["max_context_length"] == info.context_length
+
+
+# ---------------------------------------------------------------------------------------
+# Real servers: the scheduler's queue limit, and token ids the model does not have
+
+
+def long_body(route: str, i: int) -> dict:
+    # Long enough (seconds on the demo model) that the first is still decoding when the
+    # third arrives; every stream is closed as soon as the check is done.
+    content = f"Write forever, story {i}."
+    prompt = {"prompt": content} if "messages" not in ROUTES[route] else {}
+    messages = {"messages": [{"role": "user", "content": content}]} if not prompt else {}
+    return {
+        "model": MODEL,
+        "max_tokens": 2000,
+        "temperature": 0,
+        "stream": True,
+        **prompt,
+        **messages,
+    }
+
+
+async def three_at_once(url: str, route: str) -> tuple[list[int], httpx.Response, bytes]:
+    """One decoding, one waiting (a full queue at max_batch=1, max_queue=1), then a third."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+
+        async def open_stream(i: int) -> httpx.Response:
+            return await c.send(
+                c.build_request("POST", route, json=long_body(route, i)), stream=True
+            )
+
+        first = await open_stream(0)  # its headers come once it is admitted
+        second = asyncio.create_task(open_stream(1))
+        await asyncio.sleep(0.3)
+        third = await open_stream(2)
+        body = await third.aread() if third.status_code != 200 else b""
+        await third.aclose()
+        await first.aclose()
+        if second.done():
+            await (await second).aclose()
+        else:
+            second.cancel()
+        statuses = [first.status_code, third.status_code]
+        return statuses, third, body
+
+
+@pytest.mark.xfail(reason="needs the scheduler queue (issue 10)", strict=False)
+def test_a_full_queue_answers_429_with_retry_after(demo_root, tmp_path):
+    s = start_server(
+        fresh_cache_dir(demo_root, tmp_path / "c"),
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--model",
+        MODEL,
+        "--max-batch",
+        "1",
+        env={"MLX_PROMPT_CACHE_ENGINE_MAX_QUEUE": "1"},
+    )
+    try:
+        for route in ("/v1/chat/completions", "/v1/messages"):
+            statuses, refused, raw = asyncio.run(three_at_once(s.url, route))
+            assert statuses == [200, 429]
+            assert int(refused.headers["Retry-After"]) >= 1
+            data = orjson.loads(raw)
+            if route == "/v1/messages":
+                assert data["type"] == "error"
+                assert data["error"]["type"] == "rate_limit_error"
+            else:
+                assert data["error"]["code"] == "rate_limit_exceeded"
+    finally:
+        s.stop()
+
+
+@pytest.mark.xfail(reason="the engine must refuse token ids outside the vocabulary", strict=False)
+def test_token_ids_outside_the_vocabulary_are_a_400_not_a_crash(demo_root, tmp_path):
+    s = start_server(fresh_cache_dir(demo_root, tmp_path / "c"), "--upstream", "http://127.0.0.1:9")
+    try:
+        try:
+            r = httpx.post(
+                s.url + "/v1/completions",
+                json={"model": MODEL, "prompt": [1, 10**9], "max_tokens": 2},
+                timeout=60,
+            )
+        except httpx.HTTPError as e:
+            pytest.fail(f"the server died on an out-of-vocabulary token id: {e!r}")
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "prompt"
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+    finally:
+        s.stop()
