@@ -8,6 +8,7 @@ writes results.json, results.md and PNG plots into --out.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from datetime import UTC, datetime
@@ -73,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ID_OR_PATH",
         help="models of the hybrid scenario (default demo-hybrid demo-swa)",
     )
+    p.add_argument(
+        "--proxy-args",
+        default="",
+        metavar="FLAGS",
+        help="extra flags for our proxy's serve command, e.g. --proxy-args='--max-batch 4' "
+        "once serve has it (default: none, the proxy's own defaults)",
+    )
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     p.add_argument("--seed", type=int, default=0, help="seed of the traces")
     return p  # fmt: skip
@@ -95,6 +103,8 @@ def command_line(args: argparse.Namespace, names: list[str]) -> str:
     parts.append("--scenarios " + ",".join(names))
     if args.quick:
         parts.append("--quick")
+    if args.proxy_args:
+        parts.append(f"--proxy-args={shlex.quote(args.proxy_args)}")
     parts.append(f"--out {args.out}")
     return " ".join(parts)
 
@@ -141,7 +151,10 @@ def run(args: argparse.Namespace) -> int:
     hybrid = [resolve_model(m, models_dir) for m in args.hybrid_models] if "hybrid" in names else []
     from .corpus import digest
 
-    settings = Settings(out, model, hybrid, args.quick, args.seed, args.max_tokens, progress)
+    settings = Settings(
+        out, model, hybrid, args.quick, args.seed, args.max_tokens, progress,
+        tuple(shlex.split(args.proxy_args)),
+    )  # fmt: skip
     meta: dict[str, Any] = {
         "command": command_line(args, names),
         "started_at": started_at,
@@ -149,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         "scenarios": names,
         "seed": args.seed,
         "max_tokens": args.max_tokens,
+        "proxy_args": settings.proxy_args,
         "model": {"id": model.id, "path": str(model.path), "shape": args.shape},
         "hybrid_models": [m.id for m in hybrid],
         "corpus_digest": digest(),

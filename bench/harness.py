@@ -29,6 +29,8 @@ class Settings:
     seed: int = 0
     max_tokens: int = 8
     progress: Callable[[str], None] = field(default=lambda line: None)
+    # Extra `serve` flags for our proxy (both kinds), e.g. an engine knob being compared.
+    proxy_args: tuple[str, ...] = ()
 
     def size(self, quick: Any, full: Any) -> Any:
         return quick if self.quick else full
@@ -61,7 +63,9 @@ class Harness:
         cache_dir = (
             None if kind == "mlx_lm" else servers.fresh_cache_dir(self.work, kind, self.model)
         )
-        server = self.fleet.add(servers.start(kind, self.model, self.logs, cache_dir))
+        server = self.fleet.add(
+            servers.start(kind, self.model, self.logs, cache_dir, "", self.settings.proxy_args)
+        )
         try:
             self.warm(server)
             yield server
@@ -75,7 +79,10 @@ class Harness:
     def restart(self, server: Server) -> Server:
         """SIGTERM a server, start the same command again (same cache dir), warm it up."""
         stop_s = server.stop()
-        new = servers.start(server.kind, server.model, self.logs, server.cache_dir, "restarted")
+        new = servers.start(
+            server.kind, server.model, self.logs, server.cache_dir, "restarted",
+            self.settings.proxy_args,
+        )  # fmt: skip
         self.fleet.replace(server, new)
         key = f"{server.kind}-restarted"
         self.record_server(new, key, stop_s=stop_s)

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -112,16 +113,23 @@ def start(
     logs: Path,
     cache_dir: Path | None = None,
     tag: str = "",
+    proxy_args: Sequence[str] = (),
 ) -> Server:
     """Start one server and wait until /health answers; raises with the log tail if it dies."""
-    server = launch(kind, model, logs, cache_dir, tag)
+    server = launch(kind, model, logs, cache_dir, tag, proxy_args)
     wait_ready(server)
     return server
 
 
 def launch(
-    kind: Kind, model: ModelSpec, logs: Path, cache_dir: Path | None = None, tag: str = ""
+    kind: Kind,
+    model: ModelSpec,
+    logs: Path,
+    cache_dir: Path | None = None,
+    tag: str = "",
+    proxy_args: Sequence[str] = (),
 ) -> Server:
+    """Start one server; `proxy_args` go to our proxy's serve command (e.g. engine knobs)."""
     port = free_port()
     if kind == "mlx_lm":
         cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model.path)]
@@ -134,6 +142,7 @@ def launch(
         cmd += ["--upstream", "http://127.0.0.1:9"]
         if kind == "nocache":
             cmd.append("--no-cache")
+        cmd += proxy_args
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{kind}{'-' + tag if tag else ''}-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
