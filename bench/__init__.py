@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-SCENARIOS = ("chat", "agent", "restart", "share", "hybrid", "overhead")
+SCENARIOS = ("chat", "agent", "restart", "share", "hybrid", "overhead", "concurrency")
 HYBRID_DEFAULT = ("demo-hybrid", "demo-swa")
 
 

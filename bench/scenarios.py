@@ -230,6 +230,7 @@ Produced = ScenarioResult | list[ScenarioResult]
 
 
 def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
+    from .concurrency import concurrency
     from .overhead import overhead
     from .restart import restart
 
@@ -240,6 +241,7 @@ def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
         "share": share,
         "hybrid": hybrid,
         "overhead": overhead,
+        "concurrency": concurrency,
     }
 
 
