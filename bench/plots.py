@@ -1,4 +1,5 @@
-"""PNG plots of a run: TTFT per turn (chat) and per request (agent), hit ratio, restarts.
+"""PNG plots of a run: TTFT per turn (chat) and per request (agent), hit ratio, restarts,
+concurrency.
 
 matplotlib is an optional extra (`pip install 'mlx-prompt-cache[bench]'`); without it the
 run still writes its JSON and Markdown and says that the plots were skipped.
@@ -29,6 +30,7 @@ def plot_all(out: Path, results: list[ScenarioResult]) -> tuple[list[Path], str 
     chats = [r for r in results if r.scenario.endswith("chat") and r.samples]
     agents = [r for r in results if r.scenario == "agent" and r.samples]
     restarts = [r for r in results if r.scenario.endswith("restart") and r.rows]
+    concurrent = [r for r in results if r.scenario == "concurrency" and r.rows]
     if chats:
         written.append(_ttft(plt, out / "chat_ttft.png", chats, "turn", new_only=True))
     if agents:
@@ -37,6 +39,8 @@ def plot_all(out: Path, results: list[ScenarioResult]) -> tuple[list[Path], str 
         written.append(_hits(plt, out / "hit_ratio.png", chats + agents))
     if restarts:
         written.append(_restart(plt, out / "restart_ttft.png", restarts))
+    if concurrent:
+        written.append(_concurrency(plt, out / "concurrency.png", concurrent))
     return written, None
 
 
@@ -111,16 +115,38 @@ def _hits(plt, path: Path, results: list[ScenarioResult]):
 def _restart(plt, path: Path, results: list[ScenarioResult]):
     fig, axes = _grid(plt, len(results), height=3.0)
     for ax, r in zip(axes, results, strict=False):
-        values = r.rows[0].values
-        kinds = [k for k in STYLE if values.get(k) is not None]
-        ax.bar(
-            [LABELS[k].replace(" --", "\n--") for k in kinds],
-            [values[k] for k in kinds],
-            color=[STYLE[k][0] for k in kinds],
-        )
-        ax.set_title(f"next turn after restart — {r.model}", fontsize=9)
-        ax.set_ylabel("TTFT (s)")
-        ax.tick_params(axis="x", labelsize=7)
+        _bars(ax, r.rows[0].values, "TTFT (s)", f"next turn after restart — {r.model}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _bars(ax, values: dict, ylabel: str, title: str) -> None:
+    kinds = [k for k in STYLE if values.get(k) is not None]
+    ax.bar(
+        [LABELS[k].replace(" --", "\n--") for k in kinds],
+        [values[k] for k in kinds],
+        color=[STYLE[k][0] for k in kinds],
+    )
+    ax.set_title(title, fontsize=9)
+    ax.set_ylabel(ylabel)
+    ax.tick_params(axis="x", labelsize=7)
+
+
+def _concurrency(plt, path: Path, results: list[ScenarioResult]):
+    from .concurrency import HOL_ROW, SESSIONS, SESSIONS_ROW, SHORTS, STREAMS, STREAMS_ROW
+
+    panels = (
+        (HOL_ROW, "TTFT (s)", f"{SHORTS} short requests behind a long prompt"),
+        (STREAMS_ROW, "output tok/s", f"{STREAMS} concurrent streams"),
+        (SESSIONS_ROW, "wall time (s)", f"{SESSIONS} concurrent agent sessions"),
+    )
+    fig, axes = _grid(plt, len(panels) * len(results), height=3.0)
+    for i, r in enumerate(results):
+        rows = {row.metric: row.values for row in r.rows}
+        for ax, (metric, ylabel, title) in zip(axes[3 * i :], panels, strict=False):
+            _bars(ax, rows.get(metric, {}), ylabel, f"{title} — {r.model}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
