@@ -56,7 +56,7 @@ class Sizes:
     @classmethod
     def of(cls, settings: Settings) -> Sizes:
         if settings.quick:
-            return cls(3000, 100, 24, 1.0, (16, 48), 3, 2000, 800)
+            return cls(6000, 100, 24, 1.0, (32, 96), 3, 2000, 800)
         return cls(20_000, 100, 32, 1.0, (64, 200), 6, 9000, 3000, 300, False)
 
 
