@@ -115,6 +115,8 @@ def fmt(value: Number, metric: str = "") -> str:
         return _bytes(float(value))
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
+    if abs(value) >= 999.5:  # .3g would print 1004 tok/s as "1e+03"
+        return f"{value:.0f}"
     return f"{value:.3g}"
 
 
