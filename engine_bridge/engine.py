@@ -7,11 +7,11 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import psutil
 
 from . import discovery, kv, models
 from .cache.manager import CacheManager
@@ -26,7 +26,7 @@ from .prompt import (
     render_completion,
 )
 from .prompt_cache import CachePolicy, ModelCache
-from .runner import Event, Job, Runner
+from .runner import Event, Job, Runner, Scheduler, SchedulerSettings
 from .stream import GenerationStream
 from .types import (
     EngineError,
@@ -73,6 +73,19 @@ class EngineSettings:
     normalization: list[NormalizationRule] = field(
         default_factory=lambda: [CLAUDE_CODE_BILLING_HEADER]
     )
+
+
+def _vocab_size(config: dict) -> int | None:
+    """The embedding's row count, from the model's config (nested for vision models)."""
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(size) if isinstance(size, int) else None
+
+
+def _default_kv_memory(settings: EngineSettings) -> int:
+    """Live K/V of running sequences may take half the RAM available at start, less the
+    RAM tier's budget, and never less than 1 GB."""
+    available = psutil.virtual_memory().available
+    return max(1 << 30, available // 2 - settings.ram_budget_bytes)
 
 
 @dataclass(slots=True)
@@ -134,7 +147,14 @@ class Engine:
         self._entries: dict[str, ModelEntry] = {}
         self.requests = RequestStats()
         # The one thread that runs MLX work (loading, prefill, decode) for every model.
-        self._mlx = ThreadPoolExecutor(1, thread_name_prefix="mlx")
+        self.scheduler = Scheduler(
+            SchedulerSettings(
+                max_batch=settings.max_batch,
+                max_queue=settings.max_queue,
+                prefill_chunk=settings.prefill_chunk,
+                kv_memory_bytes=settings.kv_memory_bytes or _default_kv_memory(settings),
+            )
+        )
         ssd = None
         if settings.cache_enabled and settings.ssd_enabled:
             ssd = SSDStore(
@@ -181,10 +201,11 @@ class Engine:
                 loaded = await self._on_mlx(models.load, entry.ref)
                 entry.runner = Runner(
                     loaded,
+                    self.scheduler,
                     self._session_factory(loaded),
                     on_result=self.requests.record,
-                    executor=self._mlx,
                 )
+                self.scheduler.add(entry.runner)
             # Marks the model busy for the idle janitor before any await can intervene.
             entry.runner.last_used = time.monotonic()
         return entry.runner
@@ -199,6 +220,7 @@ class Engine:
                 if runner is None or runner.queued or now - runner.last_used < idle_s:
                     continue
                 entry.runner = None
+                self.scheduler.remove(runner)
             idle_for = now - runner.last_used
             del runner  # the last reference: the weights go with it
             await self._on_mlx(_release_memory)
@@ -230,6 +252,13 @@ class Engine:
         runner = await self.runner(req.model)
         loaded = runner.loaded
         if req.prompt_tokens is not None:
+            vocab = _vocab_size(loaded.config)
+            bad = [t for t in req.prompt_tokens if not 0 <= t < (vocab or 1 << 62)]
+            if bad:
+                raise EngineError(
+                    f"token id {bad[0]} is outside the model's vocabulary of {vocab} tokens",
+                    field="prompt",
+                )
             text = await asyncio.to_thread(loaded.tokenizer.decode, req.prompt_tokens)
             prompt = RenderedPrompt(list(req.prompt_tokens), text, [0], [0])
         elif req.messages is not None:
@@ -254,9 +283,10 @@ class Engine:
         max_tokens = min(req.max_tokens, ctx - n)
         return runner, Job(req, prompt, max_tokens)
 
-    async def run(self, runner: Runner, job: Job) -> AsyncIterator[Event]:
-        async for event in runner.run(job):
-            yield event
+    def run(self, runner: Runner, job: Job) -> AsyncIterator[Event]:
+        # The runner's own generator, not a wrapper: closing it must run its cleanup (cancel,
+        # then wait until the scheduler let go) now, not whenever a wrapper is collected.
+        return runner.run(job)
 
     async def start(self, req: GenerationRequest) -> GenerationStream:
         """Validate, queue and look up `req`; returns once its cache hit is known.
@@ -296,6 +326,7 @@ class Engine:
             arch=loaded.config.get("model_type"),
             context_length=loaded.context_length,
             cache_kind=loaded.cache_kind,
+            max_batch=entry.runner.max_batch,
         )
 
     async def count_tokens(self, req: GenerationRequest) -> int:
@@ -324,15 +355,24 @@ class Engine:
             "misses": req["misses"],
             "hit_ratio": req["hit_ratio"],
             "cache_enabled": self.settings.cache_enabled,
+            "scheduler": self._scheduler_stats(),
             **asdict(self.tiers.stats()),
             "models": self.model_ids,
         }
 
+    def _scheduler_stats(self) -> dict:
+        s = self.scheduler.stats
+        return asdict(s) | {
+            "mean_batch": s.mean_batch,
+            "decode_tok_s": s.decode_tok_s,
+            "prefill_tok_s": s.prefill_tok_s,
+        }
+
     async def _on_mlx(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._mlx, fn, *args)
+        return await self.scheduler.run(fn, *args)
 
     async def close(self) -> None:
-        # Waits for the generation in progress; queued ones see their cancel flag.
-        await asyncio.to_thread(self._mlx.shutdown, True)
+        # Cancels what is running or queued; each cancelled request still saves its cache.
+        await asyncio.to_thread(self.scheduler.close)
         # Drain queued writes (bounded), so a clean shutdown loses nothing computed.
         await asyncio.to_thread(self.tiers.close, self.settings.ssd_drain_s)

@@ -1,32 +1,48 @@
-"""One request for one model: lookup → restore → prefill → decode → store.
+"""The scheduler: every request of every model, on one MLX thread, in a step loop.
 
-All MLX work runs on one worker thread that the engine shares between its models, so
-requests queue fairly (FIFO) and run one at a time: Metal does not take command buffers
-from two threads at once, and one GPU runs one prefill at a time anyway. The event loop
-only ever waits on an asyncio queue fed from that thread.
+Metal takes command buffers from one thread, so all MLX work (loading, prefill, decode)
+runs on the scheduler's thread. Each step, for each model with work:
+
+1. **Admit** waiting requests while the model's batch has room and the live K/V fits the
+   memory budget, taking sessions in turn (round-robin), so one client's flood does not
+   starve another. Admission looks the prompt up in the prefix cache and restores it.
+2. **Prefill** up to `prefill_chunk` prompt tokens, shortest remaining prompt first, so a
+   short request that arrives during a long cold prefill starts decoding within about one
+   chunk. A sequence prefills alone in an ordinary cache list, in chunks that end on a fixed
+   grid and on the cache's save points, and saves exactly as a lone request would.
+3. **Decode** one token for every running sequence as one batched forward pass
+   (`kv.Batch`); each row samples with its own parameters (`sampling.RowSampler`). A
+   finished or cancelled sequence is extracted for its end-of-generation save and leaves
+   the batch in the same step.
+
+The event loop only waits on an asyncio queue per request, fed from this thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from . import kv
 from .cache.kinds import SavePoint
 from .logctx import request_id
 from .models import LoadedModel
 from .prompt import RenderedPrompt
+from .sampling import RowSampler, sample_rows
 from .types import (
     CacheSource,
+    EngineError,
+    FinishReason,
     GenerationRequest,
     GenerationResult,
     PromptInfo,
@@ -34,10 +50,6 @@ from .types import (
 )
 
 log = logging.getLogger("engine_bridge.runner")
-
-# Prefill chunks end on multiples of this (absolute positions), so chunking and thus the
-# numerics of a prefill do not depend on where a cache hit happened to start it.
-PREFILL_CHUNK = 512
 
 
 class CacheSession(Protocol):
@@ -70,31 +82,191 @@ class _Failed:
         self.error = error
 
 
+Emit = Callable[[Event | _Failed | None], None]
+
+
+@dataclass(slots=True)
+class SchedulerSettings:
+    max_batch: int = 8
+    max_queue: int = 64
+    prefill_chunk: int = 512
+    # Live K/V bytes of admitted sequences, all models together; None: no limit.
+    kv_memory_bytes: int | None = None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """What /v1/cache/stats shows under "scheduler"."""
+
+    running: int = 0  # sequences decoding now, all models
+    prefilling: int = 0
+    waiting: int = 0  # the queue depth
+    max_batch: int = 0
+    max_queue: int = 0
+    rejected: int = 0  # answered 429
+    largest_batch: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    kv_bytes: int = 0  # live K/V of admitted sequences
+    kv_memory_bytes: int | None = None
+    admission_waits: int = 0  # steps where the memory budget held a request back
+
+    @property
+    def mean_batch(self) -> float:
+        return round(self.decode_tokens / self.decode_steps, 2) if self.decode_steps else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return round(self.decode_tokens / self.decode_s, 1) if self.decode_s else 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return round(self.prefill_tokens / self.prefill_s, 1) if self.prefill_s else 0.0
+
+
+# --- one request on the MLX thread ---------------------------------------------------------
+
+
+class _Seq:
+    """An admitted request: its cache, where its prefill stands, what it has decoded."""
+
+    def __init__(self, job: Job, emit: Emit, session: CacheSession | None, tokenizer: Any):
+        self.job = job
+        self.emit = emit
+        self.session = session
+        self.start = time.perf_counter()
+        self.cache: list[Any] = []
+        self.position = 0
+        self.cached = 0
+        self.source: CacheSource = "none"
+        self.stops: deque[int] = deque()
+        self.sampler = RowSampler(job.request.sampling)
+        self.eos = set(tokenizer.eos_token_ids)
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.stopper = _StopMatcher(job.request.stop)
+        self.out: list[int] = []
+        self.history: list[int] = list(job.prompt.tokens[-64:])
+        self.ttft: float | None = None
+        self.finish: FinishReason | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.job.prompt.tokens
+
+    @property
+    def remaining(self) -> int:
+        return self.stops[-1] - self.position if self.stops else 0
+
+    @property
+    def next_input(self) -> int:
+        return self.out[-1] if self.out else self.tokens[-1]
+
+    def accept(self, tok: int) -> bool:
+        """Take a sampled token; True when the sequence is finished."""
+        if self.ttft is None:
+            self.ttft = time.perf_counter() - self.start
+        self.out.append(tok)
+        if tok in self.eos:
+            self.finish = "stop"
+            return True
+        self.history.append(tok)
+        self.detok.add_token(tok)
+        text, hit = self.stopper.feed(self.detok.last_segment)
+        if text:
+            self.emit(TokenEvent(text, tok))
+        if hit:
+            self.finish = "stop_string"
+        elif len(self.out) >= self.job.max_tokens:
+            self.finish = "length"
+        return self.finish is not None
+
+    def flush_text(self) -> None:
+        if self.finish != "stop_string":
+            self.detok.finalize()
+            tail, _ = self.stopper.feed(self.detok.last_segment, final=True)
+            if tail:
+                self.emit(TokenEvent(tail, self.out[-1] if self.out else -1))
+
+    def result(self, used_cache: bool) -> GenerationResult:
+        now = time.perf_counter()
+        return GenerationResult(
+            prompt_tokens=len(self.tokens),
+            completion_tokens=len(self.out),
+            cached_tokens=self.cached,
+            source=self.source,
+            finish_reason=self.finish or "cancelled",
+            text=self.stopper.text,
+            ttft_s=self.ttft if self.ttft is not None else now - self.start,
+            generation_s=now - self.start,
+            stop_string=self.stopper.matched,
+            used_cache=used_cache,
+        )
+
+
+@dataclass(slots=True)
+class _Pending:
+    job: Job
+    emit: Emit
+
+
+# --- one model ------------------------------------------------------------------------------
+
+
 class Runner:
+    """One model's requests: a fair wait queue, sequences in prefill, and a decode batch."""
+
     def __init__(
         self,
         loaded: LoadedModel,
+        scheduler: Scheduler,
         session_factory: Callable[[Job], CacheSession | None] | None = None,
         on_result: Callable[[GenerationResult], None] | None = None,
-        executor: ThreadPoolExecutor | None = None,
     ):
         self.loaded = loaded
+        self.scheduler = scheduler
         self._session_factory = session_factory
         self._on_result = on_result
-        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="mlx")
-        self.queued = 0
+        blocker = kv.batch_blocker(make_prompt_cache(loaded.model))
+        if blocker is not None:
+            log.warning("%s decodes one sequence at a time: %s", loaded.id, blocker)
+        self.max_batch = 1 if blocker else scheduler.settings.max_batch
+        self.batch = kv.Batch(batched=blocker is None)
+        # Waiting requests by (tenant, session), in the order sessions take turns.
+        self._waiting: OrderedDict[tuple[str, str], deque[_Pending]] = OrderedDict()
+        self.n_waiting = 0
+        self.prefilling: list[_Seq] = []
+        self.running: list[_Seq] = []  # row i of the batch
+        # Live K/V bytes per token, learned from finished prefills (admission estimates).
+        self.bytes_per_token = 0.0
         self.last_used = time.monotonic()
+        self.active_jobs = 0  # submitted and not yet finished (the idle janitor's test)
+
+    @property
+    def queued(self) -> int:
+        return self.active_jobs
+
+    # -- the event-loop side ---------------------------------------------------------------
 
     async def run(self, job: Job) -> AsyncIterator[Event]:
-        """Queue the job on the MLX thread and yield its events as they come."""
+        """Queue the job and yield its events as the scheduler produces them."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event | _Failed | None] = asyncio.Queue()
+        done = loop.create_future()
+
+        def deliver(event: Event | _Failed | None) -> None:
+            queue.put_nowait(event)
+            if event is None and not done.done():
+                done.set_result(None)
 
         def emit(event: Event | _Failed | None) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
+            loop.call_soon_threadsafe(deliver, event)
 
-        self.queued += 1
-        future = loop.run_in_executor(self._executor, self._work, job, emit)
+        self.scheduler.submit(self, _Pending(job, emit))  # may raise EngineError (429)
+        self.active_jobs += 1
         try:
             while True:
                 event = await queue.get()
@@ -104,146 +276,409 @@ class Runner:
                     raise event.error
                 yield event
         finally:
-            # A consumer that stops early (client gone) cancels within one decode step.
+            # A consumer that stops early (client gone) frees its slot within one step.
             job.cancel.set()
-            self.queued -= 1
-            self.last_used = time.monotonic()
-            await asyncio.shield(future)
+            self.scheduler.wake()
+            try:
+                await asyncio.shield(done)
+            finally:
+                self.active_jobs -= 1
+                self.last_used = time.monotonic()
 
-    def _work(self, job: Job, emit: Callable[[Any], None]) -> None:
-        request_id.set(job.request.request_id or "-")
+    # -- the MLX-thread side ---------------------------------------------------------------
+
+    def enqueue(self, pending: _Pending) -> None:
+        req = pending.job.request
+        key = (req.tenant, req.session or req.request_id or str(id(pending)))
+        self._waiting.setdefault(key, deque()).append(pending)
+        self.n_waiting += 1
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.n_waiting or self.prefilling or self.running)
+
+    @property
+    def active(self) -> int:
+        return len(self.prefilling) + len(self.running)
+
+    def live_bytes(self) -> int:
+        return self.batch.nbytes + sum(kv.live_nbytes(s.cache) for s in self.prefilling)
+
+    def step(self) -> bool:
+        """One scheduling step for this model; True when it did any work."""
+        worked = self._reap_cancelled()
+        worked |= self._admit()
+        worked |= self._prefill(self.scheduler.settings.prefill_chunk)
+        worked |= self._decode()
+        return worked
+
+    def cancel_all(self) -> None:
+        for queue in self._waiting.values():
+            for p in queue:
+                p.job.cancel.set()
+        for s in (*self.prefilling, *self.running):
+            s.job.cancel.set()
+
+    def _reap_cancelled(self) -> bool:
+        worked = False
+        for key in [k for k, q in self._waiting.items() if any(p.job.cancel.is_set() for p in q)]:
+            queue = self._waiting[key]
+            for p in [p for p in queue if p.job.cancel.is_set()]:
+                queue.remove(p)
+                self.n_waiting -= 1
+                p.emit(None)
+                worked = True
+            if not queue:
+                del self._waiting[key]
+        for s in [s for s in self.prefilling if s.job.cancel.is_set()]:
+            self.prefilling.remove(s)
+            self._close(s, save=False)
+            worked = True
+        rows = [i for i, s in enumerate(self.running) if s.job.cancel.is_set()]
+        if rows:
+            self._retire(rows)
+            worked = True
+        return worked
+
+    def _pop_fair(self) -> _Pending:
+        key, queue = next(iter(self._waiting.items()))
+        pending = queue.popleft()
+        self.n_waiting -= 1
+        del self._waiting[key]
+        if queue:  # the session goes to the back of the line
+            self._waiting[key] = queue
+        return pending
+
+    def _peek(self) -> _Pending:
+        return next(iter(self._waiting.values()))[0]
+
+    def _admit(self) -> bool:
+        worked = False
+        while self.n_waiting and self.active < self.max_batch:
+            job = self._peek().job
+            estimate = self.bytes_per_token * (len(job.prompt.tokens) + job.max_tokens)
+            if not self.scheduler.kv_room(int(estimate), idle=self.active == 0):
+                self.scheduler.stats.admission_waits += 1
+                break
+            pending = self._pop_fair()
+            self._start(pending)
+            worked = True
+        return worked
+
+    def _start(self, pending: _Pending) -> None:
+        job = pending.job
+        req = job.request
+        request_id.set(req.request_id or "-")
+        seq = _Seq(job, pending.emit, None, self.loaded.tokenizer)
         try:
-            if job.cancel.is_set():
-                return
-            for event in self._generate(job):
-                if isinstance(event, GenerationResult) and self._on_result is not None:
-                    # Recorded here, not by the consumer, which may have gone away.
-                    self._on_result(event)
-                emit(event)
+            if self._session_factory is not None and req.use_cache:
+                seq.session = self._session_factory(job)
+            if seq.session is not None:
+                seq.cache, seq.position, seq.source = seq.session.restore()
+            else:
+                seq.cache = make_prompt_cache(self.loaded.model)
+            seq.cached = seq.position
+            seq.stops = deque(self._prefill_stops(seq))
         except BaseException as e:  # surfaced on the event loop, not lost in the thread
-            log.exception("[%s] generation failed", job.request.request_id)
-            emit(_Failed(e))
-        finally:
-            emit(None)
-
-    def _generate(self, job: Job):
-        model = self.loaded.model
-        tokens = job.prompt.tokens
-        req = job.request
-        start = time.perf_counter()
-
-        session = self._session_factory(job) if self._session_factory and req.use_cache else None
-        if session is not None:
-            cache, position, source = session.restore()
-        else:
-            cache, position, source = make_prompt_cache(model), 0, "none"
-        # `position` advances through the prefill; the hit is where it started.
-        cached = position
-        yield PromptInfo(len(tokens), cached, source)
-
-        # Prefill all but the last prompt token; the last one yields the first logits.
-        stops = _prefill_stops(position, len(tokens) - 1, session)
-        for end in stops:
-            if job.cancel.is_set():
-                break
-            model(mx.array(tokens[position:end])[None], cache=cache)
-            mx.eval([c.state for c in cache])
-            position = end
-            if session is not None:
-                session.save(cache, tokens, position, SavePoint.PREFILL)
-        if job.cancel.is_set():
-            yield self._result(job, tokens, [], cached, source, "cancelled", start, None, "")
+            log.exception("[%s] restore failed", req.request_id)
+            pending.emit(_Failed(e))
+            pending.emit(None)
             return
-        if session is not None:
-            session.save(cache, tokens, position, SavePoint.PROMPT_END)
+        seq.emit(PromptInfo(len(seq.tokens), seq.cached, seq.source))
+        self.prefilling.append(seq)
+        if not seq.stops:
+            self._end_prefill(seq)
 
-        yield from self._decode(job, cache, session, cached, source, start)
+    def _prefill_stops(self, seq: _Seq) -> list[int]:
+        """Chunk ends for prefilling all but the last prompt token (whose logits the first
+        decode step computes): multiples of the chunk size plus the cache's save points."""
+        start, end = seq.position, len(seq.tokens) - 1
+        chunk = self.scheduler.settings.prefill_chunk
+        stops = set(range((start // chunk + 1) * chunk, end, chunk))
+        if seq.session is not None:
+            stops.update(p for p in seq.session.stop_points() if start < p < end)
+        if end > start:
+            stops.add(end)
+        return sorted(stops)
 
-    def _decode(self, job, cache, session, cached, source, start):
+    def _prefill(self, budget: int) -> bool:
+        spent = 0
         model = self.loaded.model
-        tokenizer = self.loaded.tokenizer
-        req = job.request
-        s = req.sampling
-        prompt = job.prompt.tokens
-        if s.seed is not None:
-            mx.random.seed(s.seed)
-        sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
-        processors = (
-            make_logits_processors(repetition_penalty=s.repetition_penalty)
-            if s.repetition_penalty and s.repetition_penalty != 1.0
-            else []
+        while self.prefilling and spent < budget:
+            seq = min(self.prefilling, key=lambda s: s.remaining)
+            request_id.set(seq.job.request.request_id or "-")
+            end = seq.stops.popleft()
+            t0 = time.perf_counter()
+            try:
+                model(mx.array(seq.tokens[seq.position : end])[None], cache=seq.cache)
+                mx.eval([c.state for c in seq.cache])
+                self.scheduler.stats.prefill_s += time.perf_counter() - t0
+                self.scheduler.stats.prefill_tokens += end - seq.position
+                spent += end - seq.position
+                seq.position = end
+                if seq.session is not None:
+                    seq.session.save(seq.cache, seq.tokens, end, SavePoint.PREFILL)
+            except BaseException as e:
+                self.prefilling.remove(seq)
+                self._fail(seq, e)
+                continue
+            if not seq.stops:
+                self._end_prefill(seq)
+        return spent > 0
+
+    def _end_prefill(self, seq: _Seq) -> None:
+        self.prefilling.remove(seq)
+        if seq.job.cancel.is_set():
+            self._close(seq, save=False)
+            return
+        try:
+            if seq.session is not None:
+                seq.session.save(seq.cache, seq.tokens, seq.position, SavePoint.PROMPT_END)
+            if seq.position:
+                self.bytes_per_token = max(
+                    self.bytes_per_token, kv.live_nbytes(seq.cache) / seq.position
+                )
+            self.batch.join(seq.cache)
+        except BaseException as e:
+            self._fail(seq, e)
+            return
+        seq.cache = []  # the batch holds it now
+        self.running.append(seq)
+
+    def _decode(self) -> bool:
+        if not self.running:
+            return False
+        stats = self.scheduler.stats
+        t0 = time.perf_counter()
+        try:
+            inputs = mx.array([[s.next_input] for s in self.running])
+            logits = self.loaded.model(inputs, cache=self.batch.cache)[:, -1, :]
+            toks = sample_rows(
+                logits, [s.sampler for s in self.running], [s.history for s in self.running]
+            )
+            mx.eval(toks)
+        except BaseException as e:
+            failed, self.running = self.running, []
+            self.batch = kv.Batch(batched=self.batch.batched)
+            for s in failed:
+                self._fail(s, e)
+            return True
+        stats.decode_s += time.perf_counter() - t0
+        stats.decode_steps += 1
+        stats.decode_tokens += len(self.running)
+        stats.largest_batch = max(stats.largest_batch, len(self.running))
+        finished = []
+        for row, (seq, tok) in enumerate(zip(self.running, toks.tolist(), strict=True)):
+            request_id.set(seq.job.request.request_id or "-")
+            if seq.accept(tok):
+                finished.append(row)
+        if finished:
+            self._retire(finished)
+        return True
+
+    def _retire(self, rows: list[int]) -> None:
+        """Take the sequences in batch rows `rows` out of the batch, then save and close them."""
+        leaving = [self.running[row] for row in rows]
+        for row, seq in zip(rows, leaving, strict=True):
+            try:
+                if seq.session is not None and seq.out:
+                    seq.cache = self.batch.extract(row)
+            except BaseException:
+                log.exception(
+                    "[%s] extracting the finished cache failed", seq.job.request.request_id
+                )
+                seq.cache = []
+        gone = set(rows)
+        self.running = [s for i, s in enumerate(self.running) if i not in gone]
+        self.batch.keep([i for i in range(self.batch.size) if i not in gone])
+        for seq in leaving:
+            request_id.set(seq.job.request.request_id or "-")
+            self._close(seq, save=bool(seq.cache))
+
+    def _close(self, seq: _Seq, save: bool) -> None:
+        """Finish a sequence: text tail, the end-of-generation save, the result, the end."""
+        if seq.finish is None:
+            seq.finish = "cancelled"
+        try:
+            seq.flush_text()
+            if save and seq.session is not None and seq.out:
+                # The cache holds the prompt plus every generated token but the last, which
+                # was sampled and never fed back.
+                n = len(seq.tokens) + len(seq.out) - 1
+                seq.session.save(seq.cache, seq.tokens + seq.out, n, SavePoint.GENERATION_END)
+        except BaseException:
+            log.exception("[%s] end-of-generation save failed", seq.job.request.request_id)
+        seq.cache = []
+        result = seq.result(
+            used_cache=seq.job.request.use_cache and self._session_factory is not None
         )
-        eos = set(tokenizer.eos_token_ids)
-        detok = tokenizer.detokenizer
-        detok.reset()
-        stopper = _StopMatcher(req.stop)
-        history = mx.array(prompt)
-        out: list[int] = []
-        y = mx.array(prompt[-1:])
-        ttft: float | None = None
-        finish = "length"
-        while len(out) < job.max_tokens:
-            if job.cancel.is_set():
-                finish = "cancelled"
-                break
-            logits = model(y[None], cache=cache)[:, -1, :]
-            for p in processors:
-                logits = p(history, logits)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            token = sampler(logprobs)
-            tok = int(token.item())
-            if ttft is None:
-                ttft = time.perf_counter() - start
-            if tok in eos:
-                finish = "stop"
-                out.append(tok)
-                break
-            out.append(tok)
-            history = mx.concatenate([history, token.reshape(1)])
-            y = token.reshape(1)
-            detok.add_token(tok)
-            text, hit = stopper.feed(detok.last_segment)
-            if text:
-                yield TokenEvent(text, tok)
-            if hit:
-                finish = "stop_string"
-                break
-        if finish not in ("stop_string",):
-            detok.finalize()
-            tail, _ = stopper.feed(detok.last_segment, final=True)
-            if tail:
-                yield TokenEvent(tail, out[-1] if out else -1)
-        if session is not None and out:
-            # The cache holds the prompt plus every generated token but the last, which
-            # was sampled and never fed back.
-            session.save(cache, prompt + out, len(prompt) + len(out) - 1, SavePoint.GENERATION_END)
-        result = self._result(job, prompt, out, cached, source, finish, start, ttft, stopper.text)
-        result.stop_string = stopper.matched
-        yield result
+        if self._on_result is not None:
+            # Recorded here, not by the consumer, which may have gone away.
+            self._on_result(result)
+        seq.emit(result)
+        seq.emit(None)
 
-    def _result(self, job, prompt, out, cached, source, finish, start, ttft, text):
-        now = time.perf_counter()
-        return GenerationResult(
-            prompt_tokens=len(prompt),
-            completion_tokens=len(out),
-            cached_tokens=cached,
-            source=source,
-            finish_reason=finish,
-            text=text,
-            ttft_s=ttft if ttft is not None else now - start,
-            generation_s=now - start,
-            used_cache=job.request.use_cache and self._session_factory is not None,
+    def _fail(self, seq: _Seq, error: BaseException) -> None:
+        log.exception("[%s] generation failed", seq.job.request.request_id, exc_info=error)
+        seq.cache = []
+        seq.emit(_Failed(error))
+        seq.emit(None)
+
+
+# --- the loop -------------------------------------------------------------------------------
+
+
+class Scheduler:
+    """The MLX thread: runs submitted calls (loading, unloading) and the step loop."""
+
+    def __init__(self, settings: SchedulerSettings | None = None):
+        self.settings = settings or SchedulerSettings()
+        self.stats = SchedulerStats(
+            max_batch=self.settings.max_batch,
+            max_queue=self.settings.max_queue,
+            kv_memory_bytes=self.settings.kv_memory_bytes,
         )
+        self._cond = threading.Condition()
+        self._inbox: deque[tuple[Runner, _Pending]] = deque()
+        self._calls: deque[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = deque()
+        self._runners: list[Runner] = []
+        self._turn = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="mlx", daemon=True)
+        self._thread.start()
 
+    # -- any thread ------------------------------------------------------------------------
 
-def _prefill_stops(start: int, end: int, session: CacheSession | None) -> list[int]:
-    """Chunk ends for prefilling [start, end): chunk multiples plus the cache's save points."""
-    stops = set(range((start // PREFILL_CHUNK + 1) * PREFILL_CHUNK, end, PREFILL_CHUNK))
-    if session is not None:
-        stops.update(p for p in session.stop_points() if start < p < end)
-    if end > start:
-        stops.add(end)
-    return sorted(stops)
+    def submit(self, runner: Runner, pending: _Pending) -> None:
+        with self._cond:
+            if self._stopping:
+                raise EngineError("the server is shutting down", status=503)
+            # Requests beyond the free batch slots of their model wait; at most max_queue
+            # of them, all models together.
+            load = {r: r.n_waiting for r in self._runners}
+            for r, _ in self._inbox:
+                load[r] = load.get(r, 0) + 1
+
+            def beyond(r: Runner, extra: int = 0) -> int:
+                return max(0, load.get(r, 0) + extra - max(0, r.max_batch - r.active))
+
+            queued = sum(beyond(r) for r in load)
+            if beyond(runner, 1) and queued >= self.settings.max_queue:
+                self.stats.rejected += 1
+                raise EngineError(
+                    f"the server is busy: {queued} requests are waiting for a batch slot "
+                    f"(max_queue {self.settings.max_queue}); retry shortly",
+                    status=429,
+                    retry_after_s=self._retry_after(queued),
+                )
+            self._inbox.append((runner, pending))
+            self._cond.notify()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """Run `fn(*args)` on the MLX thread between steps."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping and not self._thread.is_alive():
+                raise RuntimeError("the scheduler has stopped")
+            self._calls.append((fn, args, future))
+            self._cond.notify()
+        return future
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.wrap_future(self.call(fn, *args))
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def add(self, runner: Runner) -> None:
+        with self._cond:
+            self._runners.append(runner)
+
+    def remove(self, runner: Runner) -> None:
+        with self._cond:
+            if runner in self._runners:
+                self._runners.remove(runner)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Cancel everything admitted or waiting, let it save, and stop the thread."""
+        with self._cond:
+            self._stopping = True
+            for r in self._runners:
+                r.cancel_all()
+            for _, p in self._inbox:
+                p.job.cancel.set()
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def kv_room(self, estimate: int, idle: bool) -> bool:
+        """Whether `estimate` more bytes of live K/V fit the budget (always, for a model
+        with nothing admitted: one sequence at a time must always run)."""
+        limit = self.settings.kv_memory_bytes
+        if limit is None or idle:
+            return True
+        return self.stats.kv_bytes + estimate <= limit
+
+    def _retry_after(self, queued: int) -> float:
+        # A rough time for the queue ahead to start: 64 decoded tokens each, at the rate
+        # decode has run so far.
+        rate = self.stats.decode_tok_s or 20.0
+        return max(1.0, min(60.0, (queued + 1) * 64 / rate))
+
+    # -- the MLX thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                if not self._iterate():
+                    return
+            except BaseException:  # the thread must outlive any one bug: log and go on
+                log.exception("scheduler step failed")
+                time.sleep(0.05)
+
+    def _iterate(self) -> bool:
+        """One pass of the loop; False once stopping with nothing left to do."""
+        if True:
+            with self._cond:
+                while not (self._calls or self._inbox or self._has_work() or self._stopping):
+                    self._cond.wait()
+                calls, self._calls = self._calls, deque()
+                inbox, self._inbox = self._inbox, deque()
+                runners = list(self._runners)
+                if self._stopping and not calls and not inbox and not self._has_work():
+                    return False
+            for fn, args, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args))
+                    except BaseException as e:
+                        future.set_exception(e)
+            for runner, pending in inbox:
+                if self._stopping:
+                    pending.job.cancel.set()
+                runner.enqueue(pending)
+            worked = False
+            # Models take turns starting the step, so none always goes first.
+            self._turn = (self._turn + 1) % max(1, len(runners))
+            for runner in runners[self._turn :] + runners[: self._turn]:
+                if runner.has_work:
+                    worked |= runner.step()
+            self._update_counts(runners)
+            if not worked and any(r.has_work for r in runners):
+                # Held back (memory) with nothing to do: wait for a finish or a cancel.
+                with self._cond:
+                    self._cond.wait(0.05)
+        return True
+
+    def _has_work(self) -> bool:
+        return any(r.has_work for r in self._runners)
+
+    def _update_counts(self, runners: list[Runner]) -> None:
+        s = self.stats
+        s.running = sum(len(r.running) for r in runners)
+        s.prefilling = sum(len(r.prefilling) for r in runners)
+        s.waiting = sum(r.n_waiting for r in runners)
+        s.kv_bytes = sum(r.live_bytes() for r in runners)
 
 
 class _StopMatcher:

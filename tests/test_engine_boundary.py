@@ -403,7 +403,6 @@ async def three_at_once(url: str, route: str) -> tuple[list[int], httpx.Response
         return statuses, third, body
 
 
-@pytest.mark.xfail(reason="needs the scheduler queue (issue 10)", strict=False)
 def test_a_full_queue_answers_429_with_retry_after(demo_root, tmp_path):
     s = start_server(
         fresh_cache_dir(demo_root, tmp_path / "c"),
@@ -430,7 +429,6 @@ def test_a_full_queue_answers_429_with_retry_after(demo_root, tmp_path):
         s.stop()
 
 
-@pytest.mark.xfail(reason="the engine must refuse token ids outside the vocabulary", strict=False)
 def test_token_ids_outside_the_vocabulary_are_a_400_not_a_crash(demo_root, tmp_path):
     s = start_server(fresh_cache_dir(demo_root, tmp_path / "c"), "--upstream", "http://127.0.0.1:9")
     try:

@@ -4,6 +4,7 @@
 manager stores (opaque to it beyond `nbytes`); `host` converts them for the SSD tier.
 """
 
+from engine_bridge.kv.batch import Batch, batch_blocker, live_nbytes
 from engine_bridge.kv.caches import (
     CacheKind,
     Kind,
@@ -40,6 +41,7 @@ from engine_bridge.kv.payloads import (
 __all__ = [
     "FORMAT",
     "ArraysState",
+    "Batch",
     "BlockPayload",
     "CacheKind",
     "CheckpointPayload",
@@ -55,9 +57,11 @@ __all__ = [
     "Slot",
     "Snapshot",
     "UnsupportedCacheError",
+    "batch_blocker",
     "extract_blocks",
     "extract_checkpoint",
     "layout",
+    "live_nbytes",
     "payload_from_host",
     "payload_to_host",
     "quantize_block",

@@ -1,0 +1,75 @@
+"""Per-request sampling inside a shared batch: each row keeps its own parameters and RNG.
+
+A request with a seed draws from its own key stream, so its output does not depend on what
+else shares its batch or on how many steps ran before it was admitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+from .types import Sampling
+
+# The repetition penalty looks at this many recent tokens (mlx-lm's default context).
+PENALTY_CONTEXT = 20
+
+
+class RowSampler:
+    """Turns one row of logits into a token, with this request's parameters."""
+
+    def __init__(self, s: Sampling):
+        self.temperature = s.temperature
+        self.top_p, self.top_k, self.min_p = s.top_p, s.top_k, s.min_p
+        self._key = mx.random.key(s.seed) if s.seed is not None else None
+        self.processors = (
+            make_logits_processors(
+                repetition_penalty=s.repetition_penalty,
+                repetition_context_size=PENALTY_CONTEXT,
+            )
+            if s.repetition_penalty and s.repetition_penalty != 1.0
+            else []
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def process(self, history: Sequence[int], logits: mx.array) -> mx.array:
+        """Apply logits processors (repetition penalty) to a [1, V] row."""
+        if self.processors:
+            recent = mx.array(list(history[-PENALTY_CONTEXT:]))
+            for p in self.processors:
+                logits = p(recent, logits)
+        return logits
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """A [1] token from [1, V] processed logits."""
+        if self.greedy:
+            return mx.argmax(logits, axis=-1)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p:
+            logprobs = apply_min_p(logprobs, self.min_p)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        key = None
+        if self._key is not None:
+            self._key, key = mx.random.split(self._key)
+        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=key)
+
+
+def sample_rows(
+    logits: mx.array, samplers: Sequence[RowSampler], histories: Sequence[Sequence[int]]
+) -> mx.array:
+    """One token per row of [B, V] logits; a single argmax when every row is plain greedy."""
+    if all(s.greedy and not s.processors for s in samplers):
+        return mx.argmax(logits, axis=-1)
+    rows = []
+    for i, (s, history) in enumerate(zip(samplers, histories, strict=True)):
+        row = s.process(history, logits[i : i + 1])
+        rows.append(s.sample(row))
+    return mx.concatenate(rows)
