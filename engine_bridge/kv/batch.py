@@ -41,8 +41,9 @@ def batch_blocker(cache: Sequence[Any]) -> str | None:
 class Batch:
     """The live cache of the sequences decoding together, in join order (row i = member i).
 
-    With `batched=False` it holds at most one member and uses its cache list as it is, for
-    models whose caches have no batch form.
+    One member decodes in its own cache list, exactly as a lone request; the batch form
+    (left-padded mlx-lm batch caches) exists only while two or more share the step. With
+    `batched=False` it holds at most one member, for models whose caches have no batch form.
     """
 
     def __init__(self, batched: bool = True):
@@ -50,24 +51,30 @@ class Batch:
         self.cache: list[Any] | None = None
         self.size = 0
 
+    @property
+    def merged(self) -> bool:
+        return self.size > 1
+
     def join(self, cache: list[Any]) -> None:
         """Add a prefilled sequence's cache list as the last row."""
-        if not self.batched:
-            assert self.size == 0, "an unbatched model decodes one sequence at a time"
+        if self.size == 0:
             self.cache, self.size = cache, 1
             return
-        merged = [_merge(c) for c in cache]
-        if self.cache is None:
-            self.cache = merged
+        assert self.batched, "an unbatched model decodes one sequence at a time"
+        assert self.cache is not None
+        if self.size == 1:
+            self.cache = [
+                _merge([mine, theirs]) for mine, theirs in zip(self.cache, cache, strict=True)
+            ]
         else:
-            for mine, theirs in zip(self.cache, merged, strict=True):
-                mine.extend(theirs)
+            for mine, theirs in zip(self.cache, cache, strict=True):
+                mine.extend(_merge([theirs]))
         self.size += 1
 
     def extract(self, row: int) -> list[Any]:
-        """Row `row` as an ordinary cache list (copies: the batch keeps decoding)."""
+        """Row `row` as an ordinary cache list (a copy while the batch keeps decoding)."""
         assert self.cache is not None and 0 <= row < self.size, f"no row {row} of {self.size}"
-        if not self.batched:
+        if not self.merged:
             return self.cache
         return [c.extract(row) for c in self.cache]
 
@@ -78,9 +85,13 @@ class Batch:
         if not rows:
             self.cache, self.size = None, 0
             return
-        assert self.batched, "an unbatched batch holds one row"
-        for c in self.cache or ():
-            c.filter(rows)
+        assert self.merged and self.cache is not None
+        if len(rows) == 1:
+            # Back to one ordinary cache list: no padding, no batch masks.
+            self.cache = [c.extract(rows[0]) for c in self.cache]
+        else:
+            for c in self.cache:
+                c.filter(rows)
         self.size = len(rows)
 
     @property
@@ -88,12 +99,14 @@ class Batch:
         return live_nbytes(self.cache or [])
 
 
-def _merge(c: Any) -> Any:
+def _merge(caches: list[Any]) -> Any:
+    """One layer of several sequences as one batch cache of that layer."""
+    first = caches[0]
     # KVCache/RotatingKVCache.merge ignore their instance; ArraysCache/CacheList's are
-    # classmethods. Either way: a batch of one.
-    if isinstance(c, CacheList):
-        return CacheList.merge([c])
-    return c.merge([c])
+    # classmethods.
+    if isinstance(first, CacheList):
+        return CacheList.merge(caches)
+    return first.merge(caches)
 
 
 def live_nbytes(cache: Sequence[Any]) -> int:
