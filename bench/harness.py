@@ -31,6 +31,9 @@ class Settings:
     progress: Callable[[str], None] = field(default=lambda line: None)
     # Extra `serve` flags for our proxy (both kinds), e.g. an engine knob being compared.
     proxy_args: tuple[str, ...] = ()
+    # Seconds a request may go without a byte before it counts as failed: a long prefill
+    # sends nothing until its first token, so the default is generous; tests shorten it.
+    request_timeout_s: float = 900.0
 
     def size(self, quick: Any, full: Any) -> Any:
         return quick if self.quick else full
@@ -92,7 +95,9 @@ class Harness:
     def warm(self, server: Server, key: str | None = None) -> float:
         """One tiny request that shares no block with any trace: ours loads the model here."""
         body = {"messages": [{"role": "user", "content": "Warm up."}], "max_tokens": 2}
-        reply = client.stream(server.url, "openai", self._body(server, body))
+        reply = client.stream(
+            server.url, "openai", self._body(server, body), timeout=self.settings.request_timeout_s
+        )
         if not reply.ok:
             self.result.errors.append(f"{server.label} warm-up failed: {reply.error}")
         self.record_server(server, key, first_request_s=reply.total_s)
@@ -113,7 +118,9 @@ class Harness:
         session: int = 0,
         headers: dict[str, str] | None = None,
     ) -> Sample:
-        reply = client.stream(server.url, dialect, self._body(server, body), headers)
+        reply = client.stream(
+            server.url, dialect, self._body(server, body), headers, self.settings.request_timeout_s
+        )
         sample = Sample(
             server=server.kind,
             step=step,
