@@ -12,8 +12,12 @@ from collections.abc import Iterator
 import pytest
 from pydantic import TypeAdapter
 
-from bench import scenario_names, traces
+from bench import concurrency, scenario_names, traces
 from bench.agent_tools import TOOL_NAMES
+from bench.harness import Settings
+from bench.plots import plot_all
+from bench.report import details
+from bench.servers import KINDS, ModelSpec
 from bench.ssd_reload import bench_startup, run
 
 REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
@@ -240,3 +244,40 @@ def test_bench_quick_runs_end_to_end(tmp_path, demo_root):
     md = (out / "results.md").read_text()
     for name in QUICK_SCENARIOS:
         assert f"| {name} | demo-llama |" in md
+
+
+def test_concurrency_scenario_reports_every_part_for_every_server(tmp_path, demo_root):
+    model = ModelSpec("demo-llama", demo_root / "models" / "demo-llama", is_demo=True)
+    lines: list[str] = []
+    settings = Settings(tmp_path, model, [], quick=True, max_tokens=2, progress=lines.append,
+                        request_timeout_s=60)  # fmt: skip
+    result = concurrency.concurrency(settings, model, concurrency.TINY)
+    assert result.errors == []
+    tiny = concurrency.TINY
+    counts = {"hol-long": 1, "hol-short": concurrency.SHORTS, "stream": concurrency.STREAMS,
+              "session": concurrency.SESSIONS * tiny.calls_per_session}  # fmt: skip
+    most = {"hol-long": 2, "hol-short": tiny.short_output, "stream": tiny.stream_output[1],
+            "session": 2}  # fmt: skip
+    for kind in KINDS:
+        for label, n in counts.items():
+            samples = result.of(kind, label)
+            assert len(samples) == n, (kind, label)
+            for s in samples:
+                assert s.ok and s.ttft_s > 0 and s.prompt_tokens > 0, (kind, label, s)
+                assert 0 < s.completion_tokens <= most[label], (kind, label, s)
+        per_session = sorted(s.session for s in result.of(kind, "session"))
+        assert per_session == sorted(list(range(concurrency.SESSIONS)) * tiny.calls_per_session)
+        done = [ln for ln in lines if f" {kind} " in ln + " " and "[concurrency]" in ln]
+        assert any("stream 8/8" in ln for ln in done), kind
+        assert any(f"session 4 request {tiny.calls_per_session}/" in ln for ln in done), kind
+    rows = {row.metric: row.values for row in result.rows}
+    assert result.rows[0].metric == concurrency.HOL_ROW
+    for metric in (concurrency.HOL_ROW, concurrency.STREAMS_ROW, concurrency.SESSIONS_ROW):
+        assert set(rows[metric]) == set(KINDS), metric
+        assert all(v > 0 for v in rows[metric].values()), (metric, rows[metric])
+    for name in ("hol_short_ttft_ours_over_mlx_lm", "streams8_tok_s_ours_over_mlx_lm",
+                 "sessions4_wall_ours_over_mlx_lm", "sessions4_wall_ours_over_nocache"):  # fmt: skip
+        assert result.metrics[name] > 0, name
+    assert concurrency.HOL_ROW in details(result)
+    plots, skipped = plot_all(tmp_path, [result])
+    assert skipped or [p.name for p in plots] == ["concurrency.png"]
