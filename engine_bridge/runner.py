@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,6 +36,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from . import kv
 from .cache.kinds import SavePoint
+from .fair_queue import FairQueue
 from .logctx import request_id
 from .models import LoadedModel
 from .prompt import RenderedPrompt
@@ -235,9 +237,8 @@ class Runner:
             log.warning("%s decodes one sequence at a time: %s", loaded.id, blocker)
         self.max_batch = 1 if blocker else scheduler.settings.max_batch
         self.batch = kv.Batch(batched=blocker is None)
-        # Waiting requests by (tenant, session), in the order sessions take turns.
-        self._waiting: OrderedDict[tuple[str, str], deque[_Pending]] = OrderedDict()
-        self.n_waiting = 0
+        # Waiting requests: tenants take turns, and each tenant's sessions take turns.
+        self._waiting: FairQueue[_Pending] = FairQueue()
         self.prefilling: list[_Seq] = []
         self.running: list[_Seq] = []  # row i of the batch
         # Live K/V bytes per token, learned from finished prefills (admission estimates).
@@ -287,11 +288,13 @@ class Runner:
 
     # -- the MLX-thread side ---------------------------------------------------------------
 
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
     def enqueue(self, pending: _Pending) -> None:
         req = pending.job.request
-        key = (req.tenant, req.session or req.request_id or str(id(pending)))
-        self._waiting.setdefault(key, deque()).append(pending)
-        self.n_waiting += 1
+        self._waiting.push(req.tenant, _lane(req), pending)
 
     @property
     def has_work(self) -> bool:
@@ -313,23 +316,16 @@ class Runner:
         return worked
 
     def cancel_all(self) -> None:
-        for queue in self._waiting.values():
-            for p in queue:
-                p.job.cancel.set()
+        for p in self._waiting:
+            p.job.cancel.set()
         for s in (*self.prefilling, *self.running):
             s.job.cancel.set()
 
     def _reap_cancelled(self) -> bool:
         worked = False
-        for key in [k for k, q in self._waiting.items() if any(p.job.cancel.is_set() for p in q)]:
-            queue = self._waiting[key]
-            for p in [p for p in queue if p.job.cancel.is_set()]:
-                queue.remove(p)
-                self.n_waiting -= 1
-                p.emit(None)
-                worked = True
-            if not queue:
-                del self._waiting[key]
+        for p in self._waiting.remove_if(lambda p: p.job.cancel.is_set()):
+            p.emit(None)
+            worked = True
         for s in [s for s in self.prefilling if s.job.cancel.is_set()]:
             self.prefilling.remove(s)
             self._close(s, save=False)
@@ -340,27 +336,15 @@ class Runner:
             worked = True
         return worked
 
-    def _pop_fair(self) -> _Pending:
-        key, queue = next(iter(self._waiting.items()))
-        pending = queue.popleft()
-        self.n_waiting -= 1
-        del self._waiting[key]
-        if queue:  # the session goes to the back of the line
-            self._waiting[key] = queue
-        return pending
-
-    def _peek(self) -> _Pending:
-        return next(iter(self._waiting.values()))[0]
-
     def _admit(self) -> bool:
         worked = False
         while self.n_waiting and self.active < self.max_batch:
-            job = self._peek().job
+            job = self._waiting.peek().job
             estimate = self.bytes_per_token * (len(job.prompt.tokens) + job.max_tokens)
             if not self.scheduler.kv_room(int(estimate), idle=self.active == 0):
                 self.scheduler.stats.admission_waits += 1
                 break
-            pending = self._pop_fair()
+            pending = self._waiting.pop()
             self._start(pending)
             worked = True
         return worked
@@ -523,6 +507,17 @@ class Runner:
         seq.cache = []
         seq.emit(_Failed(error))
         seq.emit(None)
+
+
+def _lane(req: GenerationRequest) -> str:
+    """The session a request waits in line as: the client's session id when it sends one,
+    else its conversation (the first user message), else the request itself."""
+    if req.session:
+        return "s:" + req.session
+    for m in req.messages or ():
+        if m.role == "user":
+            return "c:" + hashlib.blake2b(m.content.encode(), digest_size=8).hexdigest()
+    return "r:" + (req.request_id or str(id(req)))
 
 
 # --- the loop -------------------------------------------------------------------------------

@@ -1,0 +1,69 @@
+"""A wait queue that takes tenants in turn, and each tenant's sessions in turn.
+
+One client's flood (many requests, or many sessions of one tenant) waits behind everyone
+else's next request instead of in front of it. Within a session, requests keep their order.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class FairQueue(Generic[T]):
+    def __init__(self) -> None:
+        self._lanes: OrderedDict[str, OrderedDict[str, deque[T]]] = OrderedDict()
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[T]:
+        for sessions in self._lanes.values():
+            for queue in sessions.values():
+                yield from queue
+
+    def push(self, tenant: str, session: str, item: T) -> None:
+        self._lanes.setdefault(tenant, OrderedDict()).setdefault(session, deque()).append(item)
+        self._n += 1
+
+    def peek(self) -> T:
+        """The item `pop` would return."""
+        sessions = next(iter(self._lanes.values()))
+        return next(iter(sessions.values()))[0]
+
+    def pop(self) -> T:
+        """The next item; its session and its tenant go to the back of their lines."""
+        tenant, sessions = next(iter(self._lanes.items()))
+        session, queue = next(iter(sessions.items()))
+        item = queue.popleft()
+        self._n -= 1
+        del sessions[session]
+        if queue:
+            sessions[session] = queue
+        del self._lanes[tenant]
+        if sessions:
+            self._lanes[tenant] = sessions
+        return item
+
+    def remove_if(self, pred: Callable[[T], bool]) -> list[T]:
+        """Take out (and return) every item for which `pred` holds; the order stays."""
+        removed: list[T] = []
+        for tenant in list(self._lanes):
+            sessions = self._lanes[tenant]
+            for session in list(sessions):
+                queue = sessions[session]
+                gone = [x for x in queue if pred(x)]
+                if not gone:
+                    continue
+                removed += gone
+                sessions[session] = deque(x for x in queue if not pred(x))
+                if not sessions[session]:
+                    del sessions[session]
+            if not sessions:
+                del self._lanes[tenant]
+        self._n -= len(removed)
+        return removed
