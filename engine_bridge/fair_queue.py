@@ -30,6 +30,14 @@ class FairQueue(Generic[T]):
         self._lanes.setdefault(tenant, OrderedDict()).setdefault(session, deque()).append(item)
         self._n += 1
 
+    def push_front(self, tenant: str, session: str, item: T) -> None:
+        """Undo a `pop`: the item goes back first in line, its session and tenant too."""
+        sessions = self._lanes.setdefault(tenant, OrderedDict())
+        sessions.setdefault(session, deque()).appendleft(item)
+        sessions.move_to_end(session, last=False)
+        self._lanes.move_to_end(tenant, last=False)
+        self._n += 1
+
     def peek(self) -> T:
         """The item `pop` would return."""
         sessions = next(iter(self._lanes.values()))
@@ -37,17 +45,27 @@ class FairQueue(Generic[T]):
 
     def pop(self) -> T:
         """The next item; its session and its tenant go to the back of their lines."""
-        tenant, sessions = next(iter(self._lanes.items()))
-        session, queue = next(iter(sessions.items()))
-        item = queue.popleft()
-        self._n -= 1
-        del sessions[session]
-        if queue:
-            sessions[session] = queue
-        del self._lanes[tenant]
-        if sessions:
-            self._lanes[tenant] = sessions
+        item = self.pop_first(lambda _: True)
+        if item is None:
+            raise IndexError("pop from an empty FairQueue")
         return item
+
+    def pop_first(self, ok: Callable[[T], bool]) -> T | None:
+        """Like `pop`, but passing over sessions whose next item is not `ok` yet; those keep
+        their place in line. None when no session's next item is."""
+        for tenant, sessions in self._lanes.items():
+            for session, queue in sessions.items():
+                if ok(queue[0]):
+                    item = queue.popleft()
+                    self._n -= 1
+                    del sessions[session]
+                    if queue:
+                        sessions[session] = queue
+                    del self._lanes[tenant]
+                    if sessions:
+                        self._lanes[tenant] = sessions
+                    return item
+        return None
 
     def remove_if(self, pred: Callable[[T], bool]) -> list[T]:
         """Take out (and return) every item for which `pred` holds; the order stays."""

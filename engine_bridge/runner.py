@@ -53,6 +53,10 @@ from .types import (
 
 log = logging.getLogger("engine_bridge.runner")
 
+# A request waits for a sequence in prefill that will compute at least this many more
+# tokens of its prompt (one cache block), rather than compute them a second time.
+SHARED_PREFIX_MIN = 64
+
 
 class CacheSession(Protocol):
     """What the runner needs from the prompt cache for one request."""
@@ -339,15 +343,34 @@ class Runner:
     def _admit(self) -> bool:
         worked = False
         while self.n_waiting and self.active < self.max_batch:
-            job = self._waiting.peek().job
+            pending = self._waiting.pop_first(lambda p: not self._shares_inflight_prefix(p.job))
+            if pending is None:
+                break  # every session's next request waits for a prefix being computed
+            job = pending.job
             estimate = self.bytes_per_token * (len(job.prompt.tokens) + job.max_tokens)
             if not self.scheduler.kv_room(int(estimate), idle=self.active == 0):
                 self.scheduler.stats.admission_waits += 1
+                self._waiting.push_front(job.request.tenant, _lane(job.request), pending)
                 break
-            pending = self._waiting.pop()
             self._start(pending)
             worked = True
         return worked
+
+    def _shares_inflight_prefix(self, job: Job) -> bool:
+        """Whether a sequence in prefill is computing a prefix of this prompt right now.
+
+        Four agent sessions that start together share a 30k-token system prompt: admitted
+        at once, each would compute it alone. Held back until the first has passed the
+        shared part, the others restore it from the cache instead.
+        """
+        if not (job.request.use_cache and self._session_factory is not None):
+            return False
+        for seq in self.prefilling:
+            if seq.session is None or seq.job.request.tenant != job.request.tenant:
+                continue
+            if common_prefix(job.prompt.tokens, seq.tokens) - seq.position >= SHARED_PREFIX_MIN:
+                return True
+        return False
 
     def _start(self, pending: _Pending) -> None:
         job = pending.job
@@ -507,6 +530,16 @@ class Runner:
         seq.cache = []
         seq.emit(_Failed(error))
         seq.emit(None)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix, comparing slices (C speed), not elements."""
+    n = min(len(a), len(b))
+    lo = 0
+    for step in (4096, 256, 16, 1):
+        while lo + step <= n and a[lo : lo + step] == b[lo : lo + step]:
+            lo += step
+    return lo
 
 
 def _lane(req: GenerationRequest) -> str:

@@ -394,3 +394,34 @@ def test_a_model_whose_cache_cannot_batch_runs_one_at_a_time(make_engine, caplog
     assert any("one sequence at a time" in r.message for r in caplog.records)
     assert engine.model_info(model).max_batch == 1
     assert isinstance(outs[0][1], GenerationResult)
+
+
+@pytest.mark.parametrize("model_id", ["demo-llama", "demo-hybrid"])
+def test_sessions_that_start_together_compute_a_shared_prefix_once(make_engine, model_id):
+    """Three conversations with one long system prompt, sent at once: the first computes
+    it, the other two wait for it and restore it from the cache (and still equal bypass)."""
+    loop, engine = make_engine(prefill_chunk=128)
+    system = " ".join(f"rule{i}" for i in range(300))
+
+    def req(i: int, use_cache: bool = True) -> GenerationRequest:
+        return GenerationRequest(
+            model=model_id,
+            messages=[Message("system", system), Message("user", PROMPTS[i])],
+            max_tokens=6,
+            sampling=Sampling(temperature=0.0),
+            use_cache=use_cache,
+            session=f"s{i}",
+        )
+
+    async def together():
+        await engine.runner(model_id)
+        return await asyncio.gather(*[_collect(engine, req(i)) for i in range(3)])
+
+    results = loop.run(together())
+    cached = sorted(r.cached_tokens for _, r in results)
+    shared = engine.scheduler.stats.prefill_tokens
+    assert cached[0] == 0 and cached[1] > 500 and cached[2] > 500, cached
+    # Prefilled once, plus each prompt's own end: far less than three whole prompts.
+    assert shared < sum(r.prompt_tokens for _, r in results) - 1000, shared
+    for i, (tokens, _) in enumerate(results):
+        assert tokens == loop.run(_collect(engine, req(i, use_cache=False)))[0]

@@ -31,9 +31,7 @@ def test_remove_if_keeps_the_order_of_what_stays():
 
 
 @given(
-    st.lists(
-        st.tuples(st.sampled_from("ab"), st.sampled_from("xyz"), st.integers()), max_size=40
-    )
+    st.lists(st.tuples(st.sampled_from("ab"), st.sampled_from("xyz"), st.integers()), max_size=40)
 )
 def test_every_item_comes_out_once_and_each_session_in_order(pushes):
     q: FairQueue[tuple] = FairQueue()
@@ -50,3 +48,15 @@ def test_every_item_comes_out_once_and_each_session_in_order(pushes):
     for lane in {(t, s) for t, s, _ in pushes}:
         seq = [i for t, s, i in out if (t, s) == lane]
         assert seq == sorted(seq)
+
+
+def test_pop_first_passes_over_a_session_that_must_wait_and_keeps_its_place():
+    q: FairQueue[str] = FairQueue()
+    q.push("t", "a", "a0")
+    q.push("t", "b", "b0")
+    q.push("t", "b", "b1")
+    assert q.pop_first(lambda x: not x.startswith("a")) == "b0"
+    assert q.pop_first(lambda x: False) is None
+    assert q.pop() == "a0"  # a kept its place at the front
+    q.push_front("t", "b", "b0")  # put back, first in line again
+    assert [q.pop() for _ in range(len(q))] == ["b0", "b1"]
