@@ -6,10 +6,11 @@ runs on the scheduler's thread. Each step, for each model with work:
 1. **Admit** waiting requests while the model's batch has room and the live K/V fits the
    memory budget, taking sessions in turn (round-robin), so one client's flood does not
    starve another. Admission looks the prompt up in the prefix cache and restores it.
-2. **Prefill** up to `prefill_chunk` prompt tokens, shortest remaining prompt first, so a
-   short request that arrives during a long cold prefill starts decoding within about one
-   chunk. A sequence prefills alone in an ordinary cache list, in chunks that end on a fixed
-   grid and on the cache's save points, and saves exactly as a lone request would.
+2. **Prefill** up to `prefill_chunk` prompt tokens: prompts that finish within a chunk
+   first, so a short request that arrives during a long cold prefill starts decoding within
+   about one chunk; longer ones in the order they were admitted, so none starves. A
+   sequence prefills alone in an ordinary cache list, in chunks that end on a fixed grid
+   and on the cache's save points, and saves exactly as a lone request would.
 3. **Decode** one token for every running sequence as one batched forward pass
    (`kv.Batch`); each row samples with its own parameters (`sampling.RowSampler`). A
    finished or cancelled sequence is extracted for its end-of-generation save and leaves
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import itertools
 import logging
 import threading
 import time
@@ -133,6 +135,9 @@ class SchedulerStats:
         return round(self.prefill_tokens / self.prefill_s, 1) if self.prefill_s else 0.0
 
 
+_admissions = itertools.count()
+
+
 # --- one request on the MLX thread ---------------------------------------------------------
 
 
@@ -144,6 +149,7 @@ class _Seq:
         self.emit = emit
         self.session = session
         self.start = time.perf_counter()
+        self.admitted = next(_admissions)
         self.cache: list[Any] = []
         self.position = 0
         self.cached = 0
@@ -412,7 +418,10 @@ class Runner:
         spent = 0
         model = self.loaded.model
         while self.prefilling and spent < budget:
-            seq = min(self.prefilling, key=lambda s: s.remaining)
+            # A prompt that finishes within one chunk goes first (a short request starts
+            # decoding at once); longer ones take chunks in the order they were admitted,
+            # so a steady stream of shorter prompts cannot starve the oldest long one.
+            seq = min(self.prefilling, key=lambda s: (s.remaining > budget, s.admitted))
             request_id.set(seq.job.request.request_id or "-")
             end = seq.stops.popleft()
             t0 = time.perf_counter()

@@ -425,3 +425,24 @@ def test_sessions_that_start_together_compute_a_shared_prefix_once(make_engine, 
     assert shared < sum(r.prompt_tokens for _, r in results) - 1000, shared
     for i, (tokens, _) in enumerate(results):
         assert tokens == loop.run(_collect(engine, req(i, use_cache=False)))[0]
+
+
+def test_long_prompts_prefill_in_admission_order_so_none_starves(make_engine):
+    """A shorter long prompt admitted later does not overtake one already prefilling."""
+    loop, engine = make_engine(prefill_chunk=128)
+    model = "demo-llama"
+    order: list = []
+    first = " ".join(f"alpha{i}" for i in range(600))
+    second = " ".join(f"beta{i}" for i in range(250))
+
+    async def scenario():
+        loop_ = asyncio.get_running_loop()
+        await engine.runner(model)
+        a = loop_.create_task(_collect(engine, _request(model, first, n=2, request_id="a"), order))
+        while engine.scheduler.stats.prefill_tokens == 0:
+            await asyncio.sleep(0.001)
+        await _collect(engine, _request(model, second, n=2, request_id="b"), order)
+        await a
+
+    loop.run(scenario())
+    assert order.index(("first", "a")) < order.index(("first", "b")), order
