@@ -274,7 +274,7 @@ class Runner:
                 done.set_result(None)
 
         def emit(event: Event | _Failed | None) -> None:
-            loop.call_soon_threadsafe(deliver, event)
+            self.scheduler.post(loop, deliver, event)
 
         self.scheduler.submit(self, _Pending(job, emit))  # may raise EngineError (429)
         self.active_jobs += 1
@@ -319,10 +319,13 @@ class Runner:
 
     def step(self) -> bool:
         """One scheduling step for this model; True when it did any work."""
+        flush = self.scheduler.flush
         worked = self._reap_cancelled()
         worked |= self._admit()
+        flush()  # what admission learned (the cache hit) goes out before the prefill
         worked |= self._prefill(self.scheduler.settings.prefill_chunk)
         worked |= self._decode()
+        flush()
         return worked
 
     def cancel_all(self) -> None:
@@ -541,6 +544,11 @@ class Runner:
         seq.emit(None)
 
 
+def _call_all(calls: list[tuple[Callable[[Any], None], Any]]) -> None:
+    for fn, arg in calls:
+        fn(arg)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix, comparing slices (C speed), not elements."""
     n = min(len(a), len(b))
@@ -579,6 +587,8 @@ class Scheduler:
         self._inbox: deque[tuple[Runner, _Pending]] = deque()
         self._calls: deque[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = deque()
         self._runners: list[Runner] = []
+        # Events for the event loops, handed over once per phase rather than once each.
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[Callable, Any]]] = {}
         self._turn = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="mlx", daemon=True)
@@ -648,6 +658,19 @@ class Scheduler:
             self._cond.notify()
         self._thread.join(timeout)
 
+    def post(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None], arg: Any) -> None:
+        """Queue `fn(arg)` to run on `loop` at the next `flush` (MLX thread only)."""
+        self._outbox.setdefault(loop, []).append((fn, arg))
+
+    def flush(self) -> None:
+        """Hand queued events to their loops: one wake-up per loop, not one per event."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, calls in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_call_all, calls)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                log.debug("dropped %d events for a closed event loop", len(calls))
+
     def kv_room(self, estimate: int, idle: bool) -> bool:
         """Whether `estimate` more bytes of live K/V fit the budget (always, for a model
         with nothing admitted: one sequence at a time must always run)."""
@@ -668,6 +691,7 @@ class Scheduler:
         while True:
             try:
                 if not self._iterate():
+                    self.flush()
                     return
             except BaseException:  # the thread must outlive any one bug: log and go on
                 log.exception("scheduler step failed")
@@ -694,6 +718,7 @@ class Scheduler:
                 if self._stopping:
                     pending.job.cancel.set()
                 runner.enqueue(pending)
+            self.flush()
             worked = False
             # Models take turns starting the step, so none always goes first.
             self._turn = (self._turn + 1) % max(1, len(runners))
