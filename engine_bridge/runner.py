@@ -251,6 +251,7 @@ class Runner:
         self._waiting: FairQueue[_Pending] = FairQueue()
         self.prefilling: list[_Seq] = []
         self.running: list[_Seq] = []  # row i of the batch
+        self._inflight: mx.array | None = None  # the decode step computing now
         # Live K/V bytes per token, learned from finished prefills (admission estimates).
         self.bytes_per_token = 0.0
         self.last_used = time.monotonic()
@@ -343,9 +344,11 @@ class Runner:
             self.prefilling.remove(s)
             self._close(s, save=False)
             worked = True
-        rows = [i for i, s in enumerate(self.running) if s.job.cancel.is_set()]
-        if rows:
-            self._retire(rows)
+        if any(s.job.cancel.is_set() for s in self.running):
+            self._settle()
+            rows = [i for i, s in enumerate(self.running) if s.job.cancel.is_set()]
+            if rows:
+                self._retire(rows)
             worked = True
         return worked
 
@@ -457,6 +460,7 @@ class Runner:
                 self.bytes_per_token = max(
                     self.bytes_per_token, kv.live_nbytes(seq.cache) / seq.position
                 )
+            self._settle()
             self.batch.join(seq.cache)
         except BaseException as e:
             self._fail(seq, e)
@@ -465,9 +469,22 @@ class Runner:
         self.running.append(seq)
 
     def _decode(self) -> bool:
+        """Take one decode step's tokens, and leave the next step computing.
+
+        The next step is launched as soon as this one's tokens are known (`mx.async_eval`),
+        so the model computes while this thread hands out events, admits and prefills.
+        Anything that changes the batch first `_settle`s the step in flight.
+        """
         if not self.running:
             return False
-        stats = self.scheduler.stats
+        if self._inflight is None:
+            self._launch()
+        self._collect()
+        if self.running:
+            self._launch()
+        return True
+
+    def _launch(self) -> None:
         t0 = time.perf_counter()
         try:
             inputs = mx.array([[s.next_input] for s in self.running])
@@ -475,25 +492,48 @@ class Runner:
             toks = sample_rows(
                 logits, [s.sampler for s in self.running], [s.history for s in self.running]
             )
-            mx.eval(toks)
+            mx.async_eval(toks)
         except BaseException as e:
-            failed, self.running = self.running, []
-            self.batch = kv.Batch(batched=self.batch.batched)
-            for s in failed:
-                self._fail(s, e)
-            return True
+            self._fail_running(e)
+            return
+        self._inflight = toks
+        self.scheduler.stats.decode_s += time.perf_counter() - t0
+
+    def _collect(self) -> None:
+        """Wait for the step in flight, hand out its tokens, retire finished rows."""
+        toks, self._inflight = self._inflight, None
+        if toks is None:
+            return
+        stats = self.scheduler.stats
+        t0 = time.perf_counter()
+        try:
+            values = toks.tolist()
+        except BaseException as e:
+            self._fail_running(e)
+            return
         stats.decode_s += time.perf_counter() - t0
         stats.decode_steps += 1
         stats.decode_tokens += len(self.running)
         stats.largest_batch = max(stats.largest_batch, len(self.running))
         finished = []
-        for row, (seq, tok) in enumerate(zip(self.running, toks.tolist(), strict=True)):
+        for row, (seq, tok) in enumerate(zip(self.running, values, strict=True)):
             request_id.set(seq.job.request.request_id or "-")
             if seq.accept(tok):
                 finished.append(row)
         if finished:
             self._retire(finished)
-        return True
+
+    def _settle(self) -> None:
+        """Finish the step in flight before the batch changes (a join, a cancel)."""
+        if self._inflight is not None:
+            self._collect()
+
+    def _fail_running(self, error: BaseException) -> None:
+        failed, self.running = self.running, []
+        self._inflight = None
+        self.batch = kv.Batch(batched=self.batch.batched)
+        for s in failed:
+            self._fail(s, error)
 
     def _retire(self, rows: list[int]) -> None:
         """Take the sequences in batch rows `rows` out of the batch, then save and close them."""
