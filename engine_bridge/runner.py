@@ -144,11 +144,11 @@ _admissions = itertools.count()
 class _Seq:
     """An admitted request: its cache, where its prefill stands, what it has decoded."""
 
-    def __init__(self, job: Job, emit: Emit, session: CacheSession | None, tokenizer: Any):
-        self.job = job
-        self.emit = emit
+    def __init__(self, pending: _Pending, session: CacheSession | None, tokenizer: Any):
+        self.job = job = pending.job
+        self.emit = pending.emit
         self.session = session
-        self.start = time.perf_counter()
+        self.start = pending.queued_at
         self.admitted = next(_admissions)
         self.cache: list[Any] = []
         self.position = 0
@@ -223,6 +223,8 @@ class _Seq:
 class _Pending:
     job: Job
     emit: Emit
+    # TTFT counts from here: time waiting for a batch slot is time the client waits.
+    queued_at: float = field(default_factory=time.perf_counter)
 
 
 # --- one model ------------------------------------------------------------------------------
@@ -388,7 +390,7 @@ class Runner:
         job = pending.job
         req = job.request
         request_id.set(req.request_id or "-")
-        seq = _Seq(job, pending.emit, None, self.loaded.tokenizer)
+        seq = _Seq(pending, None, self.loaded.tokenizer)
         try:
             if self._session_factory is not None and req.use_cache:
                 seq.session = self._session_factory(job)
@@ -405,6 +407,17 @@ class Runner:
             return
         seq.emit(PromptInfo(len(seq.tokens), seq.cached, seq.source))
         self.prefilling.append(seq)
+        log.info(
+            "admitted after %.2fs: %d prompt tokens, %d from %s; %d decoding, %d prefilling, "
+            "%d waiting",
+            time.perf_counter() - seq.start,
+            len(seq.tokens),
+            seq.cached,
+            seq.source,
+            len(self.running),
+            len(self.prefilling),
+            self.n_waiting,
+        )
         if not seq.stops:
             self._end_prefill(seq)
 
