@@ -47,9 +47,9 @@ class RowSampler:
 
     def sample(self, logits: mx.array) -> mx.array:
         """A [1] token from [1, V] processed logits."""
+        logprobs = _logprobs(logits)
         if self.greedy:
-            return mx.argmax(logits, axis=-1)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return mx.argmax(logprobs, axis=-1)
         if 0 < self.top_p < 1.0:
             logprobs = apply_top_p(logprobs, self.top_p)
         if self.min_p:
@@ -67,9 +67,16 @@ def sample_rows(
 ) -> mx.array:
     """One token per row of [B, V] logits; a single argmax when every row is plain greedy."""
     if all(s.greedy and not s.processors for s in samplers):
-        return mx.argmax(logits, axis=-1)
+        return mx.argmax(_logprobs(logits), axis=-1)
     rows = []
     for i, (s, history) in enumerate(zip(samplers, histories, strict=True)):
         row = s.process(history, logits[i : i + 1])
         rows.append(s.sample(row))
     return mx.concatenate(rows)
+
+
+def _logprobs(logits: mx.array) -> mx.array:
+    # Greedy takes the argmax of these too, not of the raw logits: normalizing rounds two
+    # nearly tied logits alike, and mlx-lm picks from the normalized ones. Same input, same
+    # token as mlx-lm and as this proxy before batching.
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
