@@ -96,7 +96,12 @@ def json_route(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResp
 
 
 async def unknown_model(request: web.Request, body: bytes, model: str) -> web.StreamResponse:
-    """A model only LM Studio has goes there; one nobody has is a 404 saying where we looked."""
+    """A model that is not ours goes to LM Studio, unless LM Studio says it has no such model.
+
+    An upstream that answers but cannot list its models (mlx_lm.server fails /v1/models
+    without a Hugging Face cache folder) is the one to judge the request. One that does not
+    answer at all gets the 404 below, which names the model, ours and the unreachable URL.
+    """
     engine = request.app[ENGINE]
     local = ", ".join(engine.model_ids) or "none"
     config = request.app[UPSTREAM_CONFIG]
@@ -104,7 +109,10 @@ async def unknown_model(request: web.Request, body: bytes, model: str) -> web.St
         where = "the upstream is disabled"
     else:
         upstream = await upstream_models(request.app)
-        if upstream.reachable and model in upstream.ids:
+        if upstream.reachable and not upstream.listed:
+            log.info("model %r is not local; forwarding since %s", model, upstream.error)
+            return await forward(request, body)
+        if model in upstream.ids:
             return await forward(request, body)
         where = (
             f"not listed by the upstream at {config.url}"

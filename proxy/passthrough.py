@@ -60,6 +60,11 @@ class UpstreamModels:
     error: str | None = None
     raw: list[dict[str, Any]] = field(default_factory=list)
 
+    @property
+    def listed(self) -> bool:
+        """Whether the upstream answered with a model list (so ``ids`` is what it has)."""
+        return self.reachable and self.error is None
+
 
 @dataclass(slots=True)
 class _ModelsCache:
@@ -304,8 +309,14 @@ async def _fetch_models(session: aiohttp.ClientSession, config: UpstreamConfig) 
         async with session.get(
             url, timeout=timeout, headers={"Accept": "application/json"}
         ) as resp:
-            raw = await resp.read()
             status = resp.status
+            try:
+                raw = await resp.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # It answered, so it is up: only its list is broken (mlx_lm.server sends
+                # 200 and then fails when the Hugging Face cache folder is missing).
+                error = f"GET {url} answered HTTP {status}, then failed: {_reason(exc)}"
+                return UpstreamModels(reachable=True, error=error)
     except (aiohttp.ClientError, TimeoutError) as exc:
         return UpstreamModels(reachable=False, error=_reason(exc))
     if status != 200:
