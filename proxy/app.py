@@ -26,6 +26,7 @@ from .passthrough import (
     setup_passthrough,
     upstream_models,
 )
+from .security import PASSTHROUGH_ROUTE, BrowserPolicy, browser_safety, setup_browser_safety
 from .sse import STREAM
 from .state import ENGINE, REQUEST_ID, SETTINGS, ProxySettings
 
@@ -162,12 +163,19 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
 
 
 def create_app(
-    engine: Engine, settings: ProxySettings, upstream: UpstreamConfig | None = None
+    engine: Engine,
+    settings: ProxySettings,
+    upstream: UpstreamConfig | None = None,
+    policy: BrowserPolicy | None = None,
 ) -> web.Application:
-    app = web.Application(middlewares=[request_context], client_max_size=settings.max_body_bytes)
+    # browser_safety runs inside request_context, so its refusals get the dialect's shape.
+    app = web.Application(
+        middlewares=[request_context, browser_safety], client_max_size=settings.max_body_bytes
+    )
     app[ENGINE] = engine
     app[SETTINGS] = settings
     setup_passthrough(app, upstream or UpstreamConfig())
+    setup_browser_safety(app, policy or BrowserPolicy())
 
     async def lifecycle(app: web.Application):
         janitor = asyncio.create_task(engine.janitor())
@@ -185,5 +193,5 @@ def create_app(
     app.router.add_post("/v1/messages/count_tokens", json_route(anthropic_api.count_tokens))
     lmstudio_api.add_routes(app)
     # Everything else is LM Studio's: embeddings, /v1/responses, /api/v0, /api/v1, ...
-    app.router.add_route("*", "/{tail:.*}", passthrough)
+    app.router.add_route("*", "/{tail:.*}", passthrough, name=PASSTHROUGH_ROUTE)
     return app

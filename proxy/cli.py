@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--upstream", help="LM Studio URL for everything else (default http://127.0.0.1:1234)"
     )
     serve.add_argument("--no-cache", action="store_true", help="disable the prompt cache")
+    serve.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --host without [tenants] api_keys (anyone on the network "
+        "can then use the server)",
+    )
     serve.add_argument("--log-level", help="debug, info, warning, error")
     serve.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
     serve.add_argument(
@@ -211,11 +217,12 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "engine.max_batch": args.max_batch,
         "upstream.url": args.upstream,
         "cache.enabled": False if args.no_cache else None,
+        "server.insecure": True if args.insecure else None,
     }
 
 
 def serve(args: argparse.Namespace) -> int:
-    from .config import config_to_toml
+    from .config import ConfigError, check_exposure, config_to_toml
 
     config = _load(args, _overrides(args))
     if config is None:
@@ -223,12 +230,35 @@ def serve(args: argparse.Namespace) -> int:
     if args.print_config:
         print(config_to_toml(config), end="")
         return 0
+    try:
+        check_exposure(config)
+    except ConfigError as e:
+        print(f"mlx-prompt-cache: config error: {e}", file=sys.stderr)
+        return 2
 
     from .app import create_app
     from .logs import setup_logging
+    from .security import browser_policy, is_loopback_bind
     from .wiring import engine_settings, proxy_settings
 
     setup_logging(config.server.log_level, config.server.log_json)
+    server = config.server
+    exposed = not is_loopback_bind(server.host)
+    if exposed and not config.tenants.api_keys:
+        log.warning(
+            "INSECURE: listening on %s without [tenants] api_keys (--insecure): anyone who "
+            "can reach port %d can run the models and read or clear the prompt cache",
+            server.host,
+            server.port,
+        )
+    policy = browser_policy(
+        server.host, server.allowed_hosts, server.cors_origins, config.tenants.api_keys
+    )
+    if "*" in server.cors_origins or "*" in server.allowed_hosts:
+        log.warning(
+            'INSECURE: %s contains "*": web pages on any site can use this server',
+            "server.cors_origins" if "*" in server.cors_origins else "server.allowed_hosts",
+        )
     from engine_bridge.engine import Engine
     from engine_bridge.types import EngineError
 
@@ -237,7 +267,7 @@ def serve(args: argparse.Namespace) -> int:
     except EngineError as e:
         print(f"mlx-prompt-cache: {e.message}", file=sys.stderr)
         return 2
-    app = create_app(engine, proxy_settings(config), config.upstream)
+    app = create_app(engine, proxy_settings(config), config.upstream, policy)
     asyncio.run(_run(app, config.server.host, config.server.port))
     # Everything is drained and closed by now. Skip interpreter finalization: MLX frees a
     # finished generation thread's thread-local state late, and when that races the

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy import tomltext
+from proxy.security import check_host_entry, check_origin_entry, is_loopback_bind
 from proxy.tomltext import Origins
 
 # Re-exported: callers read sizes and durations through the config module.
@@ -64,6 +65,13 @@ class ServerConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     log_level: str = "info"
     log_json: bool = False
+    # Host header values answered beyond loopback names and the bind address ("name",
+    # "name:port", "[v6]:port"); "*" answers any Host and gives up DNS-rebinding defence.
+    allowed_hosts: list[str] = field(default_factory=list)
+    # Browser origins allowed cross-origin (CORS), like "http://localhost:3000"; empty: off.
+    cors_origins: list[str] = field(default_factory=list)
+    # Listen on a non-loopback address without [tenants] api_keys (serve --insecure).
+    insecure: bool = False
 
 
 @dataclass(slots=True)
@@ -335,6 +343,15 @@ def _validate(config: Config, origins: Origins) -> None:
     check("server.port", 0 <= s.port <= 65535, f"port {s.port} is not in 0..65535")
     check("server.max_body_bytes", s.max_body_bytes > 0, "must be positive")
     check("server.log_level", s.log_level.lower() in LOG_LEVELS, f"must be one of {LOG_LEVELS}")
+    for name, entries, entry_check in (
+        ("allowed_hosts", s.allowed_hosts, check_host_entry),
+        ("cors_origins", s.cors_origins, check_origin_entry),
+    ):
+        for i, entry in enumerate(entries):
+            try:
+                entry_check(entry)
+            except ValueError as exc:
+                raise _error(("server", name, i), origins, str(exc)) from None
     check(
         "upstream.url",
         re.match(r"^https?://[^/\s]+", u.url) is not None,
@@ -507,6 +524,19 @@ def load_config(
     config = _build(Config, tree, (), origins)
     _validate(config, origins)
     return config
+
+
+def check_exposure(config: Config) -> None:
+    """Refuse to serve the network without API keys unless the user said --insecure."""
+    host = config.server.host
+    if is_loopback_bind(host) or config.tenants.api_keys or config.server.insecure:
+        return
+    raise ConfigError(
+        f"server.host {host!r} is not a loopback address, so anyone on the network could run "
+        "the models and read or clear the prompt cache. Set [tenants] api_keys (clients then "
+        "send 'Authorization: Bearer KEY' or 'x-api-key: KEY'), bind to 127.0.0.1, or pass "
+        "--insecure (server.insecure = true) to serve the network without keys"
+    )
 
 
 def config_to_toml(config: Config) -> str:

@@ -621,3 +621,91 @@ def test_env_under_a_non_table_in_the_file_still_reports_the_file_error(tmp_path
         load_config(path, {"MLX_PROMPT_CACHE_CACHE_SSD_DIR": "/x"}, {})
     assert "config key cache: expected a table, got integer 5" in str(err.value)
     assert f"{path} line 1" in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------
+# Browser safety keys and exposure
+
+
+def test_browser_safety_keys_default_off_and_read_from_file_and_env(tmp_path):
+    c = load_config(None, {}, {})
+    assert (c.server.allowed_hosts, c.server.cors_origins, c.server.insecure) == ([], [], False)
+    path = write(
+        tmp_path,
+        """
+        [server]
+        allowed_hosts = ["mymac.local", "[fe80::1]:1235", "*"]
+        cors_origins = ["http://localhost:3000", "*"]
+        """,
+    )
+    c = load_config(path, {}, {})
+    assert c.server.allowed_hosts == ["mymac.local", "[fe80::1]:1235", "*"]
+    assert c.server.cors_origins == ["http://localhost:3000", "*"]
+    env = {
+        "MLX_PROMPT_CACHE_SERVER_ALLOWED_HOSTS": "box.lan, 10.0.0.2:8080",
+        "MLX_PROMPT_CACHE_SERVER_CORS_ORIGINS": "https://app.example",
+        "MLX_PROMPT_CACHE_SERVER_INSECURE": "yes",
+    }
+    c = load_config(None, env, {})
+    assert c.server.allowed_hosts == ["box.lan", "10.0.0.2:8080"]
+    assert (c.server.cors_origins, c.server.insecure) == (["https://app.example"], True)
+
+
+@pytest.mark.parametrize(
+    "toml,key,fragment",
+    [
+        ("allowed_hosts = ['ok', 'bad host']", "server.allowed_hosts[1]", "'bad host'"),
+        ("allowed_hosts = ['box:99999']", "server.allowed_hosts[0]", "1..65535"),
+        ("allowed_hosts = ['http://box']", "server.allowed_hosts[0]", "not a host name"),
+        ("cors_origins = ['localhost:3000']", "server.cors_origins[0]", "scheme://host"),
+        ("cors_origins = ['http://a.example/app']", "server.cors_origins[0]", "no path"),
+        ("cors_origins = ['null']", "server.cors_origins[0]", "is not an origin"),
+        ("allowed_hosts = 'box'", "server.allowed_hosts", "expected an array of strings"),
+    ],
+)
+def test_bad_browser_safety_entries_name_key_and_entry(tmp_path, toml, key, fragment):
+    path = write(tmp_path, "[server]\n" + toml + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, {}, {})
+    assert key in str(err.value)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "host,keys,insecure,refused",
+    [
+        ("127.0.0.1", {}, False, False),
+        ("localhost", {}, False, False),
+        ("::1", {}, False, False),
+        ("0.0.0.0", {}, False, True),
+        ("::", {}, False, True),
+        ("192.168.1.20", {}, False, True),
+        ("mymac.local", {}, False, True),
+        ("0.0.0.0", {"sk-a": "alice"}, False, False),
+        ("0.0.0.0", {}, True, False),
+    ],
+)
+def test_non_loopback_host_needs_api_keys_or_insecure(host, keys, insecure, refused):
+    from proxy.config import check_exposure
+
+    config = Config()
+    config.server.host = host
+    config.server.insecure = insecure
+    config.tenants.api_keys = keys
+    if not refused:
+        check_exposure(config)
+        return
+    with pytest.raises(ConfigError) as err:
+        check_exposure(config)
+    assert f"server.host {host!r} is not a loopback address" in str(err.value)
+    assert "[tenants] api_keys" in str(err.value) and "--insecure" in str(err.value)
+
+
+def test_serve_insecure_flag_sets_server_insecure():
+    from proxy.cli import _overrides, build_parser
+
+    args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--insecure"])
+    c = load_config(None, {}, _overrides(args))
+    assert (c.server.host, c.server.insecure) == ("0.0.0.0", True)
+    args = build_parser().parse_args(["serve"])
+    assert load_config(None, {}, _overrides(args)).server.insecure is False

@@ -74,8 +74,9 @@ class App:
     def url(self) -> str:
         return str(self.client.make_url("")).rstrip("/")
 
-    async def post(self, route: str, json: dict, **kwargs):
-        return await self.client.post(route, data=orjson.dumps(json), **kwargs)
+    async def post(self, route: str, json: dict, headers: dict | None = None, **kwargs):
+        headers = {"Content-Type": "application/json", **(headers or {})}
+        return await self.client.post(route, data=orjson.dumps(json), headers=headers, **kwargs)
 
 
 @pytest.fixture
