@@ -74,12 +74,38 @@ def overhead(settings: Settings, model: ModelSpec) -> ScenarioResult:
         result.rows.append(
             Row(metric, {"ours": lookup[key] * 1e3}, note="engine_bridge.lookup_probe")
         )
+    _render_rows(measured["render"], result)
     _cold_series(settings, model, result)
     tokens_ours = [s.prompt_tokens for s in result.of("ours")]
     result.metrics["prompt_tokens_equal_ours_vs_bare"] = float(
         tokens_ours == [b["prompt_tokens"] for b in bare]
     )
     return result.finish()
+
+
+def _render_rows(render: dict, result: ScenarioResult) -> None:
+    """Chat template to token ids and message starts, on a 201-message agent session."""
+    n = int(render["messages"])
+    one = render["template_s"]
+    tokenized = render["template_tokenized_s"]
+    result.metrics |= {f"render_{k}": v for k, v in render.items()}
+    note = "engine_bridge.render_probe; ratios against one apply_chat_template call"
+    for metric, key in (
+        ("one apply_chat_template, text only", "template_s"),
+        ("one apply_chat_template, tokenized (its default)", "template_tokenized_s"),
+        ("render_chat, cold: token ids and message starts", "render_chat_cold_s"),
+        ("render_chat, the next turn (prefix memo warm)", "render_chat_next_turn_s"),
+        ("before: one render per message prefix", "per_prefix_renders_s"),
+    ):
+        t = render[key]
+        result.rows.append(
+            Row(
+                f"{metric}, {n} messages with tools (ms)",
+                {"ours": t * 1e3},
+                {"/ text only": ratio(t, one), "/ tokenized": ratio(t, tokenized)},
+                note=note,
+            )
+        )
 
 
 def _cold_series(settings: Settings, model: ModelSpec, result: ScenarioResult) -> None:

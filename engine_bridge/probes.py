@@ -4,7 +4,8 @@ Run as `python -m engine_bridge.probes COMMAND ... --json-out FILE` by the bench
 so the benchmark's own process never holds a model or mlx's threads while it times servers:
 - `demo NAME ROOT`: build a demo model, report its directory;
 - `shape NAME ROOT`: build a random-weight model with a real model's configuration;
-- `overhead MODEL PROMPTS`: bare mlx-lm TTFT on the same prompts, hashing and lookup time;
+- `overhead MODEL PROMPTS`: bare mlx-lm TTFT on the same prompts, hashing and lookup time,
+  and what rendering a 201-message agent session costs (render_probe);
 - `kv-bytes MODEL TOKENS...`: bytes of one uncached copy of a prompt's cache state.
 """
 
@@ -267,13 +268,16 @@ def main(argv: list[str] | None = None) -> int:
         path = build_shape(args.name, args.root, args.overrides, args.bits or None)
         result = {"path": str(path), "build_s": time.perf_counter() - start}
     elif args.command == "overhead":
-        from . import lookup_probe
+        from mlx_lm.utils import load_tokenizer
+
+        from . import lookup_probe, render_probe
 
         prompts = json.loads(args.prompts.read_text())
         bare = bare_ttft(args.model, prompts, args.repeats)
         result = {
             "bare": [asdict(b) | {"median_s": b.median_s} for b in bare],
             "lookup": lookup_probe.lookup_costs(args.lookup_tokens),
+            "render": render_probe.render_costs(load_tokenizer(args.model)),
         }
     else:
         result = kv_bytes(args.model, args.tokens)
