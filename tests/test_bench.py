@@ -241,6 +241,9 @@ def test_bench_quick_runs_end_to_end(tmp_path, demo_root):
     )
     assert all(s["cached_tokens"] <= 3 for s in cold), "cold prompts must share nothing"
     assert overhead["metrics"]["cold_5_ours_over_mlx_lm"] > 0
+    render = {k: v for k, v in overhead["metrics"].items() if k.startswith("render_")}
+    assert render["render_messages"] == 201
+    assert all(render[f"render_{k}_s"] > 0 for k in ("template", "render_chat_cold"))
     md = (out / "results.md").read_text()
     for name in QUICK_SCENARIOS:
         assert f"| {name} | demo-llama |" in md
