@@ -531,6 +531,8 @@ def test_model_of_an_upstream_that_cannot_list_models_is_forwarded(upstream_with
     assert via.status_code == 200, via.text
     assert "x-prompt-cache-source" not in via.headers  # the upstream answered, not us
     assert via.json()["choices"][0]["message"] == direct.json()["choices"][0]["message"]
+    forwarded = [line for line in proxy.log().splitlines() if "forwarding since" in line]
+    assert forwarded and "/v1/models returned no model list" in forwarded[0], proxy.log()
     # mlx_lm.server sends its own CORS headers; ours (CORS off) replace them.
     assert any(k.lower().startswith("access-control-") for k in direct.headers)
     assert not any(k.lower().startswith("access-control-") for k in via.headers)
