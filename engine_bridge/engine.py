@@ -54,6 +54,12 @@ class EngineSettings:
     cache_enabled: bool = True
     serve_all_mlx: bool = False
     ram_budget_bytes: int = 1 << 30
+    # Under memory pressure (the system's available memory below this), the RAM tier
+    # shrinks, spilling to SSD, instead of the OS killing the process; None: no guard.
+    ram_min_available_bytes: int | None = None
+    memory_check_s: float = 2.0
+    # The RAM tier never shrinks below this under pressure (a few sessions' prefixes).
+    ram_pressure_min_budget_bytes: int = 64 << 20
     idle_unload_s: float | None = None
     ssd_enabled: bool = True
     ssd_max_bytes: int = 10 * 1000**3
@@ -132,6 +138,22 @@ class RequestStats:
         return round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0
 
 
+def _mb(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MB"
+
+
+@dataclass(slots=True)
+class MemoryPressure:
+    """The memory guard's state, shown in /v1/cache/stats."""
+
+    floor_bytes: int | None = None
+    available_bytes: int | None = None
+    budget_bytes: int | None = None  # the RAM tier's budget now
+    active: bool = False
+    shrinks: int = 0
+    freed_bytes: int = 0
+
+
 @dataclass(slots=True)
 class ModelEntry:
     """A model this process serves; loaded lazily on first use."""
@@ -146,6 +168,9 @@ class Engine:
         self.settings = settings
         self._entries: dict[str, ModelEntry] = {}
         self.requests = RequestStats()
+        self.pressure = MemoryPressure(
+            floor_bytes=settings.ram_min_available_bytes, budget_bytes=settings.ram_budget_bytes
+        )
         # The one thread that runs MLX work (loading, prefill, decode) for every model.
         self.scheduler = Scheduler(
             SchedulerSettings(
@@ -229,13 +254,55 @@ class Engine:
         return unloaded
 
     async def janitor(self) -> None:
-        """Background upkeep while serving: idle unloading, when configured."""
+        """Background upkeep while serving: the memory guard, and idle unloading."""
         idle = self.settings.idle_unload_s
-        if not idle:
+        guard = self.settings.ram_min_available_bytes is not None and self.settings.cache_enabled
+        if not idle and not guard:
             return
+        period = self.settings.memory_check_s if guard else max(1.0, min(30.0, idle / 4))
+        last_idle_check = time.monotonic()
         while True:
-            await asyncio.sleep(max(1.0, min(30.0, idle / 4)))
-            await self.unload_idle(idle)
+            await asyncio.sleep(period)
+            if guard:
+                self.guard_memory()
+            if idle and time.monotonic() - last_idle_check >= max(1.0, min(30.0, idle / 4)):
+                last_idle_check = time.monotonic()
+                await self.unload_idle(idle)
+
+    def guard_memory(self, available: int | None = None) -> int:
+        """Shrink the RAM tier while the system's available memory is under the floor, and
+        give the budget back (in steps) once it is not. Returns the RAM tier's budget."""
+        floor = self.settings.ram_min_available_bytes
+        ram = self.tiers.ram
+        configured = self.settings.ram_budget_bytes
+        if floor is None:
+            return ram.budget_bytes
+        available = psutil.virtual_memory().available if available is None else available
+        held = ram.stats().bytes
+        if available < floor:
+            # Free the shortfall from what the tier holds; never below the floor budget.
+            target = max(self.settings.ram_pressure_min_budget_bytes, held - (floor - available))
+            if target < ram.budget_bytes:
+                freed = ram.set_budget(target)
+                self.pressure.shrinks += 1
+                self.pressure.freed_bytes += freed
+                if not self.pressure.active:
+                    log.warning(
+                        "memory pressure: %s available, under the %s floor; RAM cache budget "
+                        "%s -> %s (evicted entries go to SSD)",
+                        _mb(available), _mb(floor), _mb(configured), _mb(target),
+                    )  # fmt: skip
+                self.pressure.active = True
+        elif ram.budget_bytes < configured and available > floor + configured // 4:
+            # Pressure is gone: grow back a quarter of the configured budget per check.
+            grown = min(configured, ram.budget_bytes + max(configured // 4, 1))
+            ram.set_budget(grown)
+            if grown == configured and self.pressure.active:
+                log.info("memory pressure over: RAM cache budget back to %s", _mb(configured))
+                self.pressure.active = False
+        self.pressure.budget_bytes = ram.budget_bytes
+        self.pressure.available_bytes = available
+        return ram.budget_bytes
 
     def _session_factory(self, loaded: models.LoadedModel):
         if not self.settings.cache_enabled:
@@ -356,6 +423,7 @@ class Engine:
             "hit_ratio": req["hit_ratio"],
             "cache_enabled": self.settings.cache_enabled,
             "scheduler": self._scheduler_stats(),
+            "memory": asdict(self.pressure),
             **asdict(self.tiers.stats()),
             "models": self.model_ids,
         }

@@ -40,6 +40,7 @@ from proxy.units import RAM_BUDGET_FLOOR as RAM_BUDGET_FLOOR
 from proxy.units import parse_duration as parse_duration
 from proxy.units import parse_size as parse_size
 from proxy.units import resolve_kv_memory as resolve_kv_memory
+from proxy.units import resolve_min_available as resolve_min_available
 from proxy.units import resolve_ram_budget as resolve_ram_budget
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,9 @@ class RamCacheConfig:
     budget: str | int = "20%"
     quantize_bits: int = 0
     checkpoint_interval: int = 1024
+    # Memory pressure: when the system's available memory falls below this ("5%" of all
+    # RAM, or a size), the RAM tier shrinks and spills to SSD; "off" turns the guard off.
+    min_available: str | int = "5%"
 
 
 @dataclass(slots=True)
@@ -373,6 +377,12 @@ def _validate(config: Config, origins: Origins) -> None:
         parses("engine.kv_memory", lambda v: resolve_kv_memory(v, 1 << 30), e.kv_memory)
     check("cache.block_size", c.block_size > 0, "must be positive")
     parses("cache.ram.budget", lambda v: resolve_ram_budget(v, 0), c.ram.budget)
+    if c.ram.min_available != "off":
+        parses(
+            "cache.ram.min_available",
+            lambda v: resolve_min_available(v, 1 << 30),
+            c.ram.min_available,
+        )
     check("cache.ram.quantize_bits", c.ram.quantize_bits in (0, 4, 8), "must be 0, 4 or 8")
     check("cache.ram.checkpoint_interval", c.ram.checkpoint_interval > 0, "must be positive")
     parses("cache.ssd.max_size", parse_size, c.ssd.max_size)

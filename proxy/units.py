@@ -50,21 +50,31 @@ def resolve_ram_budget(spec: str | int, available_bytes: int) -> int:
     return parse_size(spec)
 
 
-def resolve_kv_memory(spec: str | int, total_bytes: int) -> int:
-    """The running sequences' K/V cap in bytes: ``"30%"`` of all RAM, or a size."""
+def resolve_share_of_ram(spec: str | int, total_bytes: int, what: str = "KV memory") -> int:
+    """Bytes from ``"30%"`` of all RAM, or a size; `what` names the setting in errors."""
     if isinstance(spec, str) and spec.strip().endswith("%"):
         text = spec.strip()[:-1].strip()
         try:
             percent = float(text)
         except ValueError:
-            raise ValueError(f"invalid KV memory {spec!r}: expected e.g. '30%'") from None
+            raise ValueError(f"invalid {what} {spec!r}: expected e.g. '30%'") from None
         if not 0 < percent <= 100:
-            raise ValueError(f"invalid KV memory {spec!r}: percent must be in (0, 100]")
+            raise ValueError(f"invalid {what} {spec!r}: percent must be in (0, 100]")
         return int(total_bytes * percent / 100)
     size = parse_size(spec)
     if size == 0:
-        raise ValueError(f"invalid KV memory {spec!r}: must be more than 0 bytes")
+        raise ValueError(f"invalid {what} {spec!r}: must be more than 0 bytes")
     return size
+
+
+def resolve_kv_memory(spec: str | int, total_bytes: int) -> int:
+    """The running sequences' K/V cap in bytes: ``"30%"`` of all RAM, or a size."""
+    return resolve_share_of_ram(spec, total_bytes, "KV memory")
+
+
+def resolve_min_available(spec: str | int, total_bytes: int) -> int:
+    """The memory-pressure floor in bytes: ``"5%"`` of all RAM, or a size."""
+    return resolve_share_of_ram(spec, total_bytes, "minimum available memory")
 
 
 _DURATION_PART_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", re.IGNORECASE)

@@ -11,7 +11,14 @@ from engine_bridge.engine import EngineSettings
 from engine_bridge.prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from engine_bridge.prompt_cache import CachePolicy
 
-from .config import Config, parse_duration, parse_size, resolve_kv_memory, resolve_ram_budget
+from .config import (
+    Config,
+    parse_duration,
+    parse_size,
+    resolve_kv_memory,
+    resolve_min_available,
+    resolve_ram_budget,
+)
 from .state import ProxySettings
 
 
@@ -38,6 +45,9 @@ def engine_settings(config: Config) -> EngineSettings:
         idle_unload_s=config.models.idle_unload_s,
         cache_enabled=cache.enabled,
         ram_budget_bytes=resolve_ram_budget(cache.ram.budget, ram.available),
+        ram_min_available_bytes=None
+        if cache.ram.min_available == "off"
+        else resolve_min_available(cache.ram.min_available, ram.total),
         max_batch=engine.max_batch,
         max_queue=engine.max_queue,
         prefill_chunk=engine.prefill_chunk,

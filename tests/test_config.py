@@ -414,6 +414,8 @@ def test_bool_is_not_an_int_and_int_widens_to_float(tmp_path):
         ("[cache.ram]\nbudget = 'lots'", "cache.ram.budget", "invalid size"),
         ("[cache.ram]\nbudget = '150%'", "cache.ram.budget", "percent must be in"),
         ("[cache.ram]\nquantize_bits = 6", "cache.ram.quantize_bits", "must be 0, 4 or 8"),
+        ("[cache.ram]\nmin_available = '101%'", "cache.ram.min_available", "percent must be"),
+        ("[cache.ram]\nmin_available = 'x'", "cache.ram.min_available", "invalid size"),
         ("[engine]\nmax_batch = 0", "engine.max_batch", "must be at least 1, got 0"),
         ("[engine]\nmax_queue = -1", "engine.max_queue", "must be 0 or more, got -1"),
         ("[engine]\nprefill_chunk = 8", "engine.prefill_chunk", "at least 16 tokens, got 8"),
@@ -709,3 +711,12 @@ def test_serve_insecure_flag_sets_server_insecure():
     assert (c.server.host, c.server.insecure) == ("0.0.0.0", True)
     args = build_parser().parse_args(["serve"])
     assert load_config(None, {}, _overrides(args)).server.insecure is False
+
+
+def test_memory_pressure_floor_from_config_reaches_engine_settings(tmp_path):
+    total = psutil.virtual_memory().total
+    assert engine_settings(Config()).ram_min_available_bytes == total * 5 // 100
+    path = write(tmp_path, "[cache.ram]\nmin_available = '2GB'\n")
+    assert engine_settings(load_config(path, {}, {})).ram_min_available_bytes == 2 * 10**9
+    off = load_config(path, {"MLX_PROMPT_CACHE_CACHE_RAM_MIN_AVAILABLE": "off"}, {})
+    assert engine_settings(off).ram_min_available_bytes is None

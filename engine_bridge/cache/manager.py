@@ -219,6 +219,19 @@ class CacheManager:
         self._spill(evicted)
         return True
 
+    def set_budget(self, budget_bytes: int) -> int:
+        """Change the byte budget; a smaller one evicts (and spills) LRU entries at once.
+
+        Returns the bytes evicted. Pinned entries stay, so the tier may stay above a budget
+        smaller than what running requests hold until they release it.
+        """
+        assert budget_bytes >= 0, f"budget {budget_bytes}"
+        with self._lock:
+            self.budget_bytes = budget_bytes
+            evicted = self._evict_to_budget()
+        self._spill(evicted)
+        return sum(e.nbytes for e in evicted)
+
     def unreserve(self, nbytes: int) -> None:
         with self._lock:
             assert 0 <= nbytes <= self._reserved, f"unreserve {nbytes} of {self._reserved} bytes"
