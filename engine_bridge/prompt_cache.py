@@ -155,6 +155,10 @@ class CacheSession:
         return kv.quantize_block(block, bits=bits, group_size=32) if bits else block
 
     def _checkpoint_reason(self, position: int, point: SavePoint) -> Reason | None:
+        if position == 0:
+            # A one-token prompt ends its prefill here; an empty prefix is never a hit
+            # (a request always prefills at least one token), so there is nothing to keep.
+            return None
         snapshots = self.owner.needs_checkpoint
         if point is SavePoint.PREFILL:
             if not snapshots:

@@ -54,7 +54,8 @@ class RowSampler:
             logprobs = apply_top_p(logprobs, self.top_p)
         if self.min_p:
             logprobs = apply_min_p(logprobs, self.min_p)
-        if self.top_k > 0:
+        # Keeping the top k of V <= k tokens keeps them all; mlx-lm refuses such a k.
+        if 0 < self.top_k < logprobs.shape[-1]:
             logprobs = apply_top_k(logprobs, self.top_k)
         key = None
         if self._key is not None:

@@ -29,8 +29,14 @@ def parse_sampling(body: dict) -> Sampling:
         top_k=f.get_int(body, "top_k", 0, lo=0),
         min_p=f.get_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
         repetition_penalty=f.get_float(body, "repetition_penalty", 1.0, lo=0.01, hi=10.0),
-        seed=f.get_int(body, "seed"),
+        seed=_seed(f.get_int(body, "seed")),
     )
+
+
+def _seed(value: int | None) -> int | None:
+    # MLX keys are unsigned 64-bit; any integer (-1 included, which some clients send)
+    # names one key stream, the same one every time.
+    return None if value is None else value % (1 << 64)
 
 
 def _max_tokens(body: dict) -> int:

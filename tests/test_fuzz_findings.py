@@ -1,0 +1,55 @@
+"""What fuzzing found: valid requests that got a 500 before their fix."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.conftest import DEMO_IDS
+
+
+@pytest.mark.parametrize("model", DEMO_IDS)
+@pytest.mark.parametrize("prompt", [[5], "a"], ids=["one-token-id", "one-char"])
+def test_a_one_token_prompt_is_answered_on_every_cache_kind(server, model, prompt):
+    # Hybrid and sliding-window models checkpointed the end of prefill at position 0,
+    # which the checkpoint code rightly refuses.
+    for _ in range(2):  # the second one looks the first one up
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 1
+
+
+def test_top_k_above_the_vocabulary_keeps_every_token(server):
+    # mlx-lm refuses a top_k of vocabulary size or more; "the top k" of fewer is all of them.
+    for top_k in (4095, 4096, 30_268_427):
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={
+                "model": "demo-llama",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "top_k": top_k,
+            },
+            timeout=60,
+        )
+        assert r.status_code == 200, (top_k, r.text)
+
+
+def test_any_integer_seed_is_one_reproducible_key_stream(server):
+    # MLX keys are unsigned 64-bit: -1 (which some clients send) and 2**64 were a 500.
+    def text(seed: int) -> str:
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": "demo-llama", "prompt": "The cache", "max_tokens": 6, "seed": seed},
+            headers={"x-prompt-cache": "bypass"},
+            timeout=60,
+        )
+        assert r.status_code == 200, (seed, r.text)
+        return r.json()["choices"][0]["text"]
+
+    assert text(-1) == text(-1) == text(2**64 - 1)
+    assert text(2**64) == text(0)
