@@ -32,7 +32,7 @@ def _block_text(block: Any, where: str) -> str:
         if not isinstance(block.get("text"), str):
             raise ApiError(400, f"{where}.text: expected a string", param=where)
         return block["text"]
-    raise ApiError(400, f"{where}: block type {kind!r} is not supported here", param=where)
+    raise ApiError(400, f"{where}: block type {f.short(kind)} is not supported here", param=where)
 
 
 def _text_blocks(content: Any, where: str) -> str:
@@ -63,7 +63,7 @@ def parse_messages(body: dict) -> list[Message]:
         if role not in ("user", "assistant", "system"):
             raise ApiError(
                 400,
-                f"{where}.role: unknown role {role!r}; expected 'user', 'assistant' or 'system'",
+                f"{where}.role: unknown role {f.short(role)}; expected 'user', 'assistant' or 'system'",
                 param="messages",
             )
         content = m.get("content")
@@ -117,7 +117,9 @@ def _assistant(blocks: list, where: str) -> Message:
                 raise ApiError(400, f"{w}.input: expected an object", param="messages")
             calls.append(ToolCall(b["name"], args, b.get("id", "")))
         else:
-            raise ApiError(400, f"{w}: block type {kind!r} is not supported", param="messages")
+            raise ApiError(
+                400, f"{w}: block type {f.short(kind)} is not supported", param="messages"
+            )
     return Message(
         "assistant",
         "".join(text),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 import orjson
@@ -55,13 +56,19 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 def _type_error(name: str, expected: str, value: Any) -> ApiError:
     return ApiError(
         400,
-        f"{name}: expected {expected}, got {type(value).__name__} {_short(value)}",
+        f"{name}: expected {expected}, got {type(value).__name__} {short(value)}",
         param=name,
     )
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
+# A client's value shown in an error: bounded in depth as well as length, since plain
+# repr() of a value nested a thousand deep raises RecursionError (a 500, not a 400).
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 40, 40
+
+
+def short(value: Any) -> str:
+    text = _REPR.repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 

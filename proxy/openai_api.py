@@ -93,10 +93,10 @@ def parse_messages(body: dict) -> list[Message]:
         if not isinstance(m, dict):
             raise ApiError(400, f"{where}: expected an object", param="messages")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise ApiError(
                 400,
-                f"{where}.role: unknown role {role!r}; expected one of {sorted(ROLES)}",
+                f"{where}.role: unknown role {f.short(role)}; expected one of {sorted(ROLES)}",
                 param="messages",
             )
         role = {"developer": "system", "function": "tool"}.get(role, role)
@@ -205,7 +205,7 @@ def parse_token_prompt(prompt: Any) -> list[int]:
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ApiError(
                 400,
-                f"prompt[{i}]: a token id must be a non-negative integer, got {token!r}",
+                f"prompt[{i}]: a token id must be a non-negative integer, got {f.short(token)}",
                 param="prompt",
             )
     return prompt

@@ -53,3 +53,38 @@ def test_any_integer_seed_is_one_reproducible_key_stream(server):
 
     assert text(-1) == text(-1) == text(2**64 - 1)
     assert text(2**64) == text(0)
+
+
+# A value nested ~1000 deep, as JSON text: json.dumps itself would recurse too far.
+DEEP = '{"a":' * 990 + "1" + "}" * 990
+CHAT = '"messages": [{"role": "user", "content": "x"}]'
+
+
+@pytest.mark.parametrize(
+    "route,body,field",
+    [
+        # An unhashable role was looked up in a set: TypeError.
+        ("/v1/chat/completions", '"messages": [{"role": {}, "content": "x"}]', "role"),
+        ("/v1/messages", '"messages": [{"role": {}, "content": "x"}]', "role"),
+        # repr() of the value, for the message, raised RecursionError.
+        ("/v1/completions", f'"prompt": [0, {DEEP}]', "prompt[1]"),
+        ("/v1/chat/completions", f'"messages": [{{"role": {DEEP}, "content": "x"}}]', "role"),
+        ("/v1/messages", f'"messages": [{{"role": {DEEP}, "content": "x"}}]', "role"),
+        (
+            "/v1/messages",
+            f'"messages": [{{"role": "user", "content": [{{"type": {DEEP}}}]}}]',
+            "block",
+        ),
+        ("/v1/chat/completions", f'{CHAT}, "top_p": {DEEP}', "top_p"),
+    ],
+)
+def test_odd_values_in_named_fields_are_a_400_not_a_500(server, route, body, field):
+    raw = '{"model": "demo-llama", "max_tokens": 2, ' + body + "}"
+    r = httpx.post(
+        server.url + route,
+        content=raw.encode(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]
