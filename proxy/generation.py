@@ -74,10 +74,11 @@ def request_options(request: web.Request) -> tuple[str, bool]:
     tenant = settings.default_tenant
     header = request.headers.get(settings.tenant_header)
     key = _api_key(request)
-    if header:
-        tenant = header
-    elif key and key in settings.tenant_api_keys:
+    if key and key in settings.tenant_api_keys:
+        # A key's tenant is who the caller is: a header must not pick another tenant's cache.
         tenant = settings.tenant_api_keys[key]
+    elif header:
+        tenant = header
     bypass = request.headers.get(BYPASS_HEADER, "").strip().lower() == "bypass"
     return tenant, not bypass and settings.cache_enabled
 

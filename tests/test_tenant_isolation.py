@@ -154,3 +154,25 @@ def test_hostile_tenant_names_stay_inside_the_cache_folder(tmp_path):
     assert len(tenants) == len(HOSTILE)
     assert {"alice", "bob"} <= tenants
     assert not tenants & {"..", "models", "quarantine", ""}
+
+
+def test_an_api_keys_tenant_wins_over_the_tenant_header():
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from proxy.generation import request_options
+    from proxy.state import SETTINGS, ProxySettings
+
+    app = web.Application()
+    app[SETTINGS] = ProxySettings(tenant_api_keys={"sk-alice": "alice"})
+
+    def tenant(headers: dict[str, str]) -> str:
+        return request_options(make_mocked_request("POST", "/v1/messages", headers, app=app))[0]
+
+    # A key holder cannot read another tenant's cache by naming it in the header.
+    assert tenant({"x-api-key": "sk-alice", "x-tenant": "bob"}) == "alice"
+    assert tenant({"authorization": "Bearer sk-alice", "x-tenant": "bob"}) == "alice"
+    # Without a known key (a local, unexposed proxy), the header still chooses.
+    assert tenant({"x-tenant": "bob"}) == "bob"
+    assert tenant({"x-api-key": "sk-unknown", "x-tenant": "bob"}) == "bob"
+    assert tenant({}) == "local"
