@@ -106,7 +106,10 @@ def _assistant(blocks: list, where: str) -> Message:
         if kind == "text":
             text.append(_block_text(b, w))
         elif kind == "thinking":
-            thinking.append(b.get("thinking") or "")
+            value = b.get("thinking") or ""
+            if not isinstance(value, str):
+                raise ApiError(400, f"{w}.thinking: expected a string", param="messages")
+            thinking.append(value)
         elif kind == "redacted_thinking":
             continue
         elif kind in ("tool_use", "server_tool_use"):
@@ -158,7 +161,10 @@ def parse_tools(body: dict) -> list[dict[str, Any]] | None:
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
             raise ApiError(400, f"tools[{i}].name: expected a string", param="tools")
-        if t.get("type") not in _CUSTOM_TOOL_TYPES:
+        kind = t.get("type")
+        if kind is not None and not isinstance(kind, str):  # a list is unhashable, too
+            raise ApiError(400, f"tools[{i}].type: expected a string", param="tools")
+        if kind not in _CUSTOM_TOOL_TYPES:
             continue
         schema = t.get("input_schema", {"type": "object"})
         if not isinstance(schema, dict):

@@ -73,9 +73,35 @@ CHAT = '"messages": [{"role": "user", "content": "x"}]'
         (
             "/v1/messages",
             f'"messages": [{{"role": "user", "content": [{{"type": {DEEP}}}]}}]',
-            "block",
+            "messages[0].content[0].type",
         ),
         ("/v1/chat/completions", f'{CHAT}, "top_p": {DEEP}', "top_p"),
+        # A thinking block's text went into str.join unchecked.
+        (
+            "/v1/messages",
+            '"messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": [1]}]}]',
+            "messages[0].content[0].thinking",
+        ),
+        # Nested past what the template and the prefix hash can recurse through, where
+        # the template's refusal blamed "messages" and json.dumps raised RecursionError.
+        (
+            "/v1/chat/completions",
+            f'{CHAT}, "tools": [{{"type": "function", "function": {{"name": "f", "parameters": {DEEP}}}}}]',
+            "tools[0].function.parameters.a.a",
+        ),
+        ("/v1/chat/completions", f'{CHAT}, "chat_template_kwargs": {DEEP}', "chat_template_kwargs"),
+        (
+            "/v1/messages",
+            f'{CHAT}, "tools": [{{"name": "t", "input_schema": {DEEP}}}]',
+            "tools[0].input_schema",
+        ),
+        # An Anthropic tool type was looked up in a set: a list there was a TypeError.
+        ("/v1/messages", f'{CHAT}, "tools": [{{"name": "t", "type": [1]}}]', "tools[0].type"),
+        (
+            "/v1/messages/count_tokens",
+            f'{CHAT}, "tools": [{{"name": "t", "type": {{}}}}]',
+            "tools[0].type",
+        ),
     ],
 )
 def test_odd_values_in_named_fields_are_a_400_not_a_500(server, route, body, field):
