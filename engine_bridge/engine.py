@@ -26,7 +26,8 @@ from .prompt import (
     render_completion,
 )
 from .prompt_cache import CachePolicy, ModelCache
-from .runner import Event, Job, Runner, Scheduler, SchedulerSettings
+from .runner import Event, Job, Runner
+from .scheduler import Scheduler, SchedulerSettings
 from .stream import GenerationStream
 from .types import (
     EngineError,

@@ -18,8 +18,8 @@ from .cache.hashing import Chain, ExtraKeys
 from .cache.index import Scope
 from .cache.kinds import Reason, SavePoint
 from .cache.tiers import Hit, TieredCache
+from .jobs import Job
 from .models import LoadedModel
-from .runner import Job
 from .types import CacheSource
 
 log = logging.getLogger("engine_bridge.prompt_cache")

@@ -1,7 +1,7 @@
-"""The scheduler: every request of every model, on one MLX thread, in a step loop.
+"""One model's requests under the scheduler (`scheduler.py` runs the step loop).
 
 Metal takes command buffers from one thread, so all MLX work (loading, prefill, decode)
-runs on the scheduler's thread. Each step, for each model with work:
+runs on the scheduler's thread. Each step, for each model with work, its `Runner`:
 
 1. **Admit** waiting requests while the model's batch has room and the live K/V fits the
    memory budget, taking sessions in turn (round-robin), so one client's flood does not
@@ -22,16 +22,12 @@ The event loop only waits on an asyncio queue per request, fed from this thread.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import hashlib
-import itertools
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -39,19 +35,15 @@ from mlx_lm.models.cache import make_prompt_cache
 from . import kv
 from .cache.kinds import SavePoint
 from .fair_queue import FairQueue
+from .jobs import CacheSession, Event, Failed, Job, Pending
 from .logctx import request_id
 from .models import LoadedModel
-from .prompt import RenderedPrompt
-from .sampling import RowSampler, sample_rows
-from .types import (
-    CacheSource,
-    EngineError,
-    FinishReason,
-    GenerationRequest,
-    GenerationResult,
-    PromptInfo,
-    TokenEvent,
-)
+from .sampling import sample_rows
+from .sequence import Seq
+from .types import GenerationRequest, GenerationResult, PromptInfo
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
 
 log = logging.getLogger("engine_bridge.runner")
 
@@ -59,172 +51,7 @@ log = logging.getLogger("engine_bridge.runner")
 # tokens of its prompt (one cache block), rather than compute them a second time.
 SHARED_PREFIX_MIN = 64
 
-
-class CacheSession(Protocol):
-    """What the runner needs from the prompt cache for one request."""
-
-    def restore(self) -> tuple[list[Any], int, CacheSource]: ...
-
-    def stop_points(self) -> list[int]: ...
-
-    def save(
-        self, cache: list[Any], tokens: list[int], position: int, point: SavePoint
-    ) -> None: ...
-
-
-@dataclass(slots=True)
-class Job:
-    request: GenerationRequest
-    prompt: RenderedPrompt
-    max_tokens: int
-    cancel: threading.Event = field(default_factory=threading.Event)
-
-
-Event = PromptInfo | TokenEvent | GenerationResult
-
-
-class _Failed:
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-Emit = Callable[[Event | _Failed | None], None]
-
-
-@dataclass(slots=True)
-class SchedulerSettings:
-    max_batch: int = 8
-    max_queue: int = 64
-    prefill_chunk: int = 512
-    # Live K/V bytes of admitted sequences, all models together; None: no limit.
-    kv_memory_bytes: int | None = None
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """What /v1/cache/stats shows under "scheduler"."""
-
-    running: int = 0  # sequences decoding now, all models
-    prefilling: int = 0
-    waiting: int = 0  # the queue depth
-    max_batch: int = 0
-    max_queue: int = 0
-    rejected: int = 0  # answered 429
-    largest_batch: int = 0
-    decode_steps: int = 0
-    decode_tokens: int = 0
-    decode_s: float = 0.0
-    prefill_tokens: int = 0
-    prefill_s: float = 0.0
-    kv_bytes: int = 0  # live K/V of admitted sequences
-    kv_memory_bytes: int | None = None
-    admission_waits: int = 0  # steps where the memory budget held a request back
-
-    @property
-    def mean_batch(self) -> float:
-        return round(self.decode_tokens / self.decode_steps, 2) if self.decode_steps else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        return round(self.decode_tokens / self.decode_s, 1) if self.decode_s else 0.0
-
-    @property
-    def prefill_tok_s(self) -> float:
-        return round(self.prefill_tokens / self.prefill_s, 1) if self.prefill_s else 0.0
-
-
-_admissions = itertools.count()
-
-
-# --- one request on the MLX thread ---------------------------------------------------------
-
-
-class _Seq:
-    """An admitted request: its cache, where its prefill stands, what it has decoded."""
-
-    def __init__(self, pending: _Pending, session: CacheSession | None, tokenizer: Any):
-        self.job = job = pending.job
-        self.emit = pending.emit
-        self.session = session
-        self.start = pending.queued_at
-        self.admitted = next(_admissions)
-        self.cache: list[Any] = []
-        self.position = 0
-        self.cached = 0
-        self.source: CacheSource = "none"
-        self.stops: deque[int] = deque()
-        self.sampler = RowSampler(job.request.sampling)
-        self.eos = set(tokenizer.eos_token_ids)
-        self.detok = tokenizer.detokenizer
-        self.detok.reset()
-        self.stopper = _StopMatcher(job.request.stop)
-        self.out: list[int] = []
-        self.history: list[int] = list(job.prompt.tokens[-64:])
-        self.ttft: float | None = None
-        self.finish: FinishReason | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.job.prompt.tokens
-
-    @property
-    def remaining(self) -> int:
-        return self.stops[-1] - self.position if self.stops else 0
-
-    @property
-    def next_input(self) -> int:
-        return self.out[-1] if self.out else self.tokens[-1]
-
-    def accept(self, tok: int) -> bool:
-        """Take a sampled token; True when the sequence is finished."""
-        if self.ttft is None:
-            self.ttft = time.perf_counter() - self.start
-        self.out.append(tok)
-        if tok in self.eos:
-            self.finish = "stop"
-            return True
-        self.history.append(tok)
-        self.detok.add_token(tok)
-        text, hit = self.stopper.feed(self.detok.last_segment)
-        if text:
-            self.emit(TokenEvent(text, tok))
-        if hit:
-            self.finish = "stop_string"
-        elif len(self.out) >= self.job.max_tokens:
-            self.finish = "length"
-        return self.finish is not None
-
-    def flush_text(self) -> None:
-        if self.finish != "stop_string":
-            self.detok.finalize()
-            tail, _ = self.stopper.feed(self.detok.last_segment, final=True)
-            if tail:
-                self.emit(TokenEvent(tail, self.out[-1] if self.out else -1))
-
-    def result(self, used_cache: bool) -> GenerationResult:
-        now = time.perf_counter()
-        return GenerationResult(
-            prompt_tokens=len(self.tokens),
-            completion_tokens=len(self.out),
-            cached_tokens=self.cached,
-            source=self.source,
-            finish_reason=self.finish or "cancelled",
-            text=self.stopper.text,
-            ttft_s=self.ttft if self.ttft is not None else now - self.start,
-            generation_s=now - self.start,
-            stop_string=self.stopper.matched,
-            used_cache=used_cache,
-        )
-
-
-@dataclass(slots=True)
-class _Pending:
-    job: Job
-    emit: Emit
-    # TTFT counts from here: time waiting for a batch slot is time the client waits.
-    queued_at: float = field(default_factory=time.perf_counter)
+__all__ = ["CacheSession", "Event", "Job", "Runner", "common_prefix"]
 
 
 # --- one model ------------------------------------------------------------------------------
@@ -250,9 +77,9 @@ class Runner:
         self.max_batch = 1 if blocker else scheduler.settings.max_batch
         self.batch = kv.Batch(batched=blocker is None)
         # Waiting requests: tenants take turns, and each tenant's sessions take turns.
-        self._waiting: FairQueue[_Pending] = FairQueue()
-        self.prefilling: list[_Seq] = []
-        self.running: list[_Seq] = []  # row i of the batch
+        self._waiting: FairQueue[Pending] = FairQueue()
+        self.prefilling: list[Seq] = []
+        self.running: list[Seq] = []  # row i of the batch
         self._inflight: mx.array | None = None  # the decode step computing now
         # Live K/V bytes per token, learned from finished prefills (admission estimates).
         self.bytes_per_token = 0.0
@@ -268,25 +95,25 @@ class Runner:
     async def run(self, job: Job) -> AsyncIterator[Event]:
         """Queue the job and yield its events as the scheduler produces them."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Event | _Failed | None] = asyncio.Queue()
+        queue: asyncio.Queue[Event | Failed | None] = asyncio.Queue()
         done = loop.create_future()
 
-        def deliver(event: Event | _Failed | None) -> None:
+        def deliver(event: Event | Failed | None) -> None:
             queue.put_nowait(event)
             if event is None and not done.done():
                 done.set_result(None)
 
-        def emit(event: Event | _Failed | None) -> None:
+        def emit(event: Event | Failed | None) -> None:
             self.scheduler.post(loop, deliver, event)
 
-        self.scheduler.submit(self, _Pending(job, emit))  # may raise EngineError (429)
+        self.scheduler.submit(self, Pending(job, emit))  # may raise EngineError (429)
         self.active_jobs += 1
         try:
             while True:
                 event = await queue.get()
                 if event is None:
                     break
-                if isinstance(event, _Failed):
+                if isinstance(event, Failed):
                     raise event.error
                 yield event
         finally:
@@ -305,7 +132,7 @@ class Runner:
     def n_waiting(self) -> int:
         return len(self._waiting)
 
-    def enqueue(self, pending: _Pending) -> None:
+    def enqueue(self, pending: Pending) -> None:
         req = pending.job.request
         self._waiting.push(req.tenant, _lane(req), pending)
 
@@ -386,11 +213,11 @@ class Runner:
                 return True
         return False
 
-    def _start(self, pending: _Pending) -> None:
+    def _start(self, pending: Pending) -> None:
         job = pending.job
         req = job.request
         request_id.set(req.request_id or "-")
-        seq = _Seq(pending, None, self.loaded.tokenizer)
+        seq = Seq(pending, None, self.loaded.tokenizer)
         try:
             if self._session_factory is not None and req.use_cache:
                 seq.session = self._session_factory(job)
@@ -402,7 +229,7 @@ class Runner:
             seq.stops = deque(self._prefill_stops(seq))
         except BaseException as e:  # surfaced on the event loop, not lost in the thread
             log.exception("[%s] restore failed", req.request_id)
-            pending.emit(_Failed(e))
+            pending.emit(Failed(e))
             pending.emit(None)
             return
         seq.emit(PromptInfo(len(seq.tokens), seq.cached, seq.source))
@@ -421,7 +248,7 @@ class Runner:
         if not seq.stops:
             self._end_prefill(seq)
 
-    def _prefill_stops(self, seq: _Seq) -> list[int]:
+    def _prefill_stops(self, seq: Seq) -> list[int]:
         """Chunk ends for prefilling all but the last prompt token (whose logits the first
         decode step computes): multiples of the chunk size plus the cache's save points."""
         start, end = seq.position, len(seq.tokens) - 1
@@ -461,7 +288,7 @@ class Runner:
                 self._end_prefill(seq)
         return spent > 0
 
-    def _end_prefill(self, seq: _Seq) -> None:
+    def _end_prefill(self, seq: Seq) -> None:
         self.prefilling.remove(seq)
         if seq.job.cancel.is_set():
             self._close(seq, save=False)
@@ -567,7 +394,7 @@ class Runner:
             request_id.set(seq.job.request.request_id or "-")
             self._close(seq, save=bool(seq.cache))
 
-    def _close(self, seq: _Seq, save: bool) -> None:
+    def _close(self, seq: Seq, save: bool) -> None:
         """Finish a sequence: text tail, the end-of-generation save, the result, the end."""
         if seq.finish is None:
             seq.finish = "cancelled"
@@ -590,16 +417,11 @@ class Runner:
         seq.emit(result)
         seq.emit(None)
 
-    def _fail(self, seq: _Seq, error: BaseException) -> None:
+    def _fail(self, seq: Seq, error: BaseException) -> None:
         log.exception("[%s] generation failed", seq.job.request.request_id, exc_info=error)
         seq.cache = []
-        seq.emit(_Failed(error))
+        seq.emit(Failed(error))
         seq.emit(None)
-
-
-def _call_all(calls: list[tuple[Callable[[Any], None], Any]]) -> None:
-    for fn, arg in calls:
-        fn(arg)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -621,212 +443,3 @@ def _lane(req: GenerationRequest) -> str:
         if m.role == "user":
             return "c:" + hashlib.blake2b(m.content.encode(), digest_size=8).hexdigest()
     return "r:" + (req.request_id or str(id(req)))
-
-
-# --- the loop -------------------------------------------------------------------------------
-
-
-class Scheduler:
-    """The MLX thread: runs submitted calls (loading, unloading) and the step loop."""
-
-    def __init__(self, settings: SchedulerSettings | None = None):
-        self.settings = settings or SchedulerSettings()
-        self.stats = SchedulerStats(
-            max_batch=self.settings.max_batch,
-            max_queue=self.settings.max_queue,
-            kv_memory_bytes=self.settings.kv_memory_bytes,
-        )
-        self._cond = threading.Condition()
-        self._inbox: deque[tuple[Runner, _Pending]] = deque()
-        self._calls: deque[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = deque()
-        self._runners: list[Runner] = []
-        # Events for the event loops, handed over once per phase rather than once each.
-        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[Callable, Any]]] = {}
-        self._turn = 0
-        self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="mlx", daemon=True)
-        self._thread.start()
-
-    # -- any thread ------------------------------------------------------------------------
-
-    def submit(self, runner: Runner, pending: _Pending) -> None:
-        with self._cond:
-            if self._stopping:
-                raise EngineError("the server is shutting down", status=503)
-            # Requests beyond the free batch slots of their model wait; at most max_queue
-            # of them, all models together.
-            load = {r: r.n_waiting for r in self._runners}
-            for r, _ in self._inbox:
-                load[r] = load.get(r, 0) + 1
-
-            def beyond(r: Runner, extra: int = 0) -> int:
-                return max(0, load.get(r, 0) + extra - max(0, r.max_batch - r.active))
-
-            queued = sum(beyond(r) for r in load)
-            if beyond(runner, 1) and queued >= self.settings.max_queue:
-                self.stats.rejected += 1
-                raise EngineError(
-                    f"the server is busy: {queued} requests are waiting for a batch slot "
-                    f"(max_queue {self.settings.max_queue}); retry shortly",
-                    status=429,
-                    retry_after_s=self._retry_after(queued),
-                )
-            self._inbox.append((runner, pending))
-            self._cond.notify()
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        """Run `fn(*args)` on the MLX thread between steps."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cond:
-            if self._stopping and not self._thread.is_alive():
-                raise RuntimeError("the scheduler has stopped")
-            self._calls.append((fn, args, future))
-            self._cond.notify()
-        return future
-
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.wrap_future(self.call(fn, *args))
-
-    def wake(self) -> None:
-        with self._cond:
-            self._cond.notify()
-
-    def add(self, runner: Runner) -> None:
-        with self._cond:
-            self._runners.append(runner)
-
-    def remove(self, runner: Runner) -> None:
-        with self._cond:
-            if runner in self._runners:
-                self._runners.remove(runner)
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Cancel everything admitted or waiting, let it save, and stop the thread."""
-        with self._cond:
-            self._stopping = True
-            for r in self._runners:
-                r.cancel_all()
-            for _, p in self._inbox:
-                p.job.cancel.set()
-            self._cond.notify()
-        self._thread.join(timeout)
-
-    def post(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None], arg: Any) -> None:
-        """Queue `fn(arg)` to run on `loop` at the next `flush` (MLX thread only)."""
-        self._outbox.setdefault(loop, []).append((fn, arg))
-
-    def flush(self) -> None:
-        """Hand queued events to their loops: one wake-up per loop, not one per event."""
-        outbox, self._outbox = self._outbox, {}
-        for loop, calls in outbox.items():
-            try:
-                loop.call_soon_threadsafe(_call_all, calls)
-            except RuntimeError:  # that loop is closed: nobody is listening any more
-                log.debug("dropped %d events for a closed event loop", len(calls))
-
-    def kv_room(self, estimate: int, idle: bool) -> bool:
-        """Whether `estimate` more bytes of live K/V fit the budget (always, for a model
-        with nothing admitted: one sequence at a time must always run)."""
-        limit = self.settings.kv_memory_bytes
-        if limit is None or idle:
-            return True
-        return self.stats.kv_bytes + estimate <= limit
-
-    def _retry_after(self, queued: int) -> float:
-        # A rough time for the queue ahead to start: 64 decoded tokens each, at the rate
-        # decode has run so far.
-        rate = self.stats.decode_tok_s or 20.0
-        return max(1.0, min(60.0, (queued + 1) * 64 / rate))
-
-    # -- the MLX thread --------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                if not self._iterate():
-                    self.flush()
-                    return
-            except BaseException:  # the thread must outlive any one bug: log and go on
-                log.exception("scheduler step failed")
-                time.sleep(0.05)
-
-    def _iterate(self) -> bool:
-        """One pass of the loop; False once stopping with nothing left to do."""
-        if True:
-            with self._cond:
-                while not (self._calls or self._inbox or self._has_work() or self._stopping):
-                    self._cond.wait()
-                calls, self._calls = self._calls, deque()
-                inbox, self._inbox = self._inbox, deque()
-                runners = list(self._runners)
-                if self._stopping and not calls and not inbox and not self._has_work():
-                    return False
-            for fn, args, future in calls:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn(*args))
-                    except BaseException as e:
-                        future.set_exception(e)
-            for runner, pending in inbox:
-                if self._stopping:
-                    pending.job.cancel.set()
-                runner.enqueue(pending)
-            self.flush()
-            worked = False
-            # Models take turns starting the step, so none always goes first.
-            self._turn = (self._turn + 1) % max(1, len(runners))
-            for runner in runners[self._turn :] + runners[: self._turn]:
-                if runner.has_work:
-                    worked |= runner.step()
-            self._update_counts(runners)
-            if not worked and any(r.has_work for r in runners):
-                # Held back (memory) with nothing to do: wait for a finish or a cancel.
-                with self._cond:
-                    self._cond.wait(0.05)
-        return True
-
-    def _has_work(self) -> bool:
-        return any(r.has_work for r in self._runners)
-
-    def _update_counts(self, runners: list[Runner]) -> None:
-        s = self.stats
-        s.running = sum(len(r.running) for r in runners)
-        s.prefilling = sum(len(r.prefilling) for r in runners)
-        s.waiting = sum(r.n_waiting for r in runners)
-        s.kv_bytes = sum(r.live_bytes() for r in runners)
-
-
-class _StopMatcher:
-    """Streams text while holding back anything that could be the start of a stop string."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.text = ""
-        self.matched: str | None = None
-        self._emitted = 0
-
-    def feed(self, segment: str, final: bool = False) -> tuple[str, bool]:
-        self.text += segment
-        if self.stops:
-            window_start = max(0, self._emitted - max(len(s) for s in self.stops))
-            hits = [(i, s) for s in self.stops if (i := self.text.find(s, window_start)) != -1]
-            if hits:
-                cut, self.matched = min(hits)
-                out = self.text[self._emitted : cut]
-                self.text = self.text[:cut]
-                self._emitted = cut
-                return out, True
-        hold = 0 if final else self._held_suffix()
-        upto = len(self.text) - hold
-        out = self.text[self._emitted : upto] if upto > self._emitted else ""
-        self._emitted = max(self._emitted, upto)
-        return out, False
-
-    def _held_suffix(self) -> int:
-        best = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:k]):
-                    best = max(best, k)
-                    break
-        return best
