@@ -27,7 +27,8 @@ _SCOPE = Scope("lookup-probe")
 _EXTRA = (("model", "lookup-probe"), ("tenant", "default"))
 
 
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
+def median_s(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `repeats` calls of `fn` (the probes' one timing rule)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -61,7 +62,7 @@ def lookup_costs(n_tokens: int = 32_768, repeats: int = 10) -> dict[str, float]:
             return TieredCache(CacheManager(1 << 40), ssd, codec, write_through=False)
 
         empty = tiers()
-        miss = _median_s(lambda: empty.lookup(chain(), _SCOPE, needs_checkpoint=False), repeats)
+        miss = median_s(lambda: empty.lookup(chain(), _SCOPE, needs_checkpoint=False), repeats)
 
         warm = tiers()
         warm.ram.insert_blocks(chain(), {i: Stored(p, _SCOPE) for i, p in payloads.items()})
@@ -70,14 +71,14 @@ def lookup_costs(n_tokens: int = 32_768, repeats: int = 10) -> dict[str, float]:
             hit = warm.lookup(chain(), _SCOPE, needs_checkpoint=False)
             warm.ram.release(warm.pin(hit, promoted=False))
 
-        ram = _median_s(ram_hit, repeats)
+        ram = median_s(ram_hit, repeats)
         ram_length = warm.lookup(chain(), _SCOPE, needs_checkpoint=False).length
 
         writer = TieredCache(CacheManager(1 << 40), ssd, codec, write_through=True)
         writer.store_blocks(chain(), _SCOPE, payloads)
         assert ssd.flush(120.0), "the probe's SSD writes did not finish"
 
-        plan = _median_s(lambda: tiers().lookup(chain(), _SCOPE, needs_checkpoint=False), repeats)
+        plan = median_s(lambda: tiers().lookup(chain(), _SCOPE, needs_checkpoint=False), repeats)
 
         def ssd_hit() -> int:
             t = tiers()
@@ -85,13 +86,13 @@ def lookup_costs(n_tokens: int = 32_768, repeats: int = 10) -> dict[str, float]:
             assert t.promote(hit), "the SSD hit did not promote"
             return hit.length
 
-        promote = _median_s(ssd_hit, repeats)
+        promote = median_s(ssd_hit, repeats)
         ssd_length = ssd_hit()
         entry_bytes = ssd.stats().bytes / max(1, ssd.stats().entries)
         ssd.close()
     return {
         "tokens": n_tokens,
-        "hash_chain_s": _median_s(chain, repeats),
+        "hash_chain_s": median_s(chain, repeats),
         "lookup_miss_s": miss,
         "lookup_hit_s": ram,
         "hit_length": ram_length,

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
+from .lookup_probe import median_s
 from .prefix_memo import PrefixMemo
 from .prompt import render_chat
 from .types import Message, ToolCall
@@ -47,15 +47,6 @@ def agent_session(turns: int) -> list[Message]:
             Message("assistant", f"Fixed bug {t}: the parser now returns early. " * 3),
         ]
     return out
-
-
-def _median_s(fn: Callable[[], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def render_costs(tokenizer: Any, turns: int = 50, repeats: int = 5) -> dict[str, float]:
@@ -87,9 +78,9 @@ def render_costs(tokenizer: Any, turns: int = 50, repeats: int = 5) -> dict[str,
         next_turn()
     return {
         "messages": float(len(messages)),
-        "template_s": _median_s(lambda: template(False), repeats),
-        "template_tokenized_s": _median_s(lambda: template(True), repeats),
-        "render_chat_cold_s": _median_s(lambda: render_chat(tokenizer, messages, tools), repeats),
+        "template_s": median_s(lambda: template(False), repeats),
+        "template_tokenized_s": median_s(lambda: template(True), repeats),
+        "render_chat_cold_s": median_s(lambda: render_chat(tokenizer, messages, tools), repeats),
         "render_chat_next_turn_s": statistics.median(spent),
-        "per_prefix_renders_s": _median_s(per_prefix, 1) + _median_s(lambda: template(True), 1),
+        "per_prefix_renders_s": median_s(per_prefix, 1) + median_s(lambda: template(True), 1),
     }

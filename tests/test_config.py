@@ -7,7 +7,6 @@ import textwrap
 import tomllib
 from pathlib import Path
 
-import psutil
 import pytest
 
 from proxy import config as config_module
@@ -25,7 +24,6 @@ from proxy.config import (
     resolve_ram_budget,
 )
 from proxy.tomltext import key_lines
-from proxy.wiring import engine_settings
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -157,21 +155,6 @@ def test_flags_override_env_and_file(tmp_path):
     assert c.models.serve == ["/models/qwen"]
     assert c.cache.enabled is False
     assert c.upstream.url == "http://127.0.0.1:1234"
-
-
-def test_engine_keys_from_file_env_and_flag_reach_engine_settings(tmp_path):
-    path = write(tmp_path, "[engine]\nmax_batch = 2\nmax_queue = 5\nkv_memory = '4GB'\n")
-    env = {"MLX_PROMPT_CACHE_ENGINE_MAX_QUEUE": "0", "MLX_PROMPT_CACHE_ENGINE_PREFILL_CHUNK": "64"}
-    c = load_config(path, env, {"engine.max_batch": 3})
-    assert (c.engine.max_batch, c.engine.max_queue, c.engine.prefill_chunk) == (3, 0, 64)
-    s = engine_settings(c)
-    assert (s.max_batch, s.max_queue, s.prefill_chunk) == (3, 0, 64)
-    assert s.kv_memory_bytes == 4 * 10**9
-    assert engine_settings(Config()).kv_memory_bytes is None  # the engine picks its own
-    share = engine_settings(load_config(None, {"MLX_PROMPT_CACHE_ENGINE_KV_MEMORY": "25%"}, {}))
-    assert share.kv_memory_bytes == psutil.virtual_memory().total // 4
-    cleared = load_config(path, {"MLX_PROMPT_CACHE_ENGINE_KV_MEMORY": ""}, {})
-    assert cleared.engine.kv_memory is None
 
 
 def test_serve_max_batch_flag_sets_engine_max_batch():
@@ -711,12 +694,3 @@ def test_serve_insecure_flag_sets_server_insecure():
     assert (c.server.host, c.server.insecure) == ("0.0.0.0", True)
     args = build_parser().parse_args(["serve"])
     assert load_config(None, {}, _overrides(args)).server.insecure is False
-
-
-def test_memory_pressure_floor_from_config_reaches_engine_settings(tmp_path):
-    total = psutil.virtual_memory().total
-    assert engine_settings(Config()).ram_min_available_bytes == total * 5 // 100
-    path = write(tmp_path, "[cache.ram]\nmin_available = '2GB'\n")
-    assert engine_settings(load_config(path, {}, {})).ram_min_available_bytes == 2 * 10**9
-    off = load_config(path, {"MLX_PROMPT_CACHE_CACHE_RAM_MIN_AVAILABLE": "off"}, {})
-    assert engine_settings(off).ram_min_available_bytes is None
