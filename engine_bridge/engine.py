@@ -243,7 +243,7 @@ class Engine:
         for model_id, entry in self._entries.items():
             async with entry.loading:
                 runner = entry.runner
-                if runner is None or runner.queued or now - runner.last_used < idle_s:
+                if runner is None or runner.active_jobs or now - runner.last_used < idle_s:
                     continue
                 entry.runner = None
                 self.scheduler.remove(runner)
@@ -260,13 +260,14 @@ class Engine:
         guard = self.settings.ram_min_available_bytes is not None and self.settings.cache_enabled
         if not idle and not guard:
             return
-        period = self.settings.memory_check_s if guard else max(1.0, min(30.0, idle / 4))
+        idle_period = max(1.0, min(30.0, idle / 4)) if idle else 0.0
+        period = self.settings.memory_check_s if guard else idle_period
         last_idle_check = time.monotonic()
         while True:
             await asyncio.sleep(period)
             if guard:
                 self.guard_memory()
-            if idle and time.monotonic() - last_idle_check >= max(1.0, min(30.0, idle / 4)):
+            if idle and time.monotonic() - last_idle_check >= idle_period:
                 last_idle_check = time.monotonic()
                 await self.unload_idle(idle)
 

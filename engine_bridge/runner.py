@@ -86,10 +86,6 @@ class Runner:
         self.last_used = time.monotonic()
         self.active_jobs = 0  # submitted and not yet finished (the idle janitor's test)
 
-    @property
-    def queued(self) -> int:
-        return self.active_jobs
-
     # -- the event-loop side ---------------------------------------------------------------
 
     async def run(self, job: Job) -> AsyncIterator[Event]:
