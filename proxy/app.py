@@ -16,7 +16,7 @@ from engine_bridge.types import EngineError
 
 from . import anthropic_api, lmstudio_api, openai_api, openapi
 from .config import UpstreamConfig
-from .errors import ApiError, Dialect, api_error, error_response
+from .errors import ApiError, api_error, dialect_for, error_response
 from .fields import parse_json_object, read_body
 from .passthrough import (
     LOCAL_OWNER,
@@ -33,10 +33,6 @@ from .state import ENGINE, REQUEST_ID, SETTINGS, ProxySettings
 log = logging.getLogger("proxy.app")
 
 Route = Callable[[web.Request, dict], Awaitable[web.StreamResponse]]
-
-
-def dialect_for(path: str) -> Dialect:
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
 @web.middleware

@@ -22,6 +22,7 @@ _ANTHROPIC_TYPES = {
     500: "api_error",
     502: "api_error",
     503: "overloaded_error",
+    504: "timeout_error",
 }
 _OPENAI_TYPES = {
     400: "invalid_request_error",
@@ -32,7 +33,13 @@ _OPENAI_TYPES = {
     500: "server_error",
     502: "upstream_error",
     503: "server_error",
+    504: "upstream_timeout",
 }
+
+
+def dialect_for(path: str) -> Dialect:
+    """The dialect a route speaks, so its errors (and a failed stream's end) are in its shape."""
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
 class ApiError(Exception):

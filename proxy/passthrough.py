@@ -2,7 +2,12 @@
 
 One ``aiohttp.ClientSession`` per process (created in a ``cleanup_ctx``) carries every
 forwarded request, so keep-alive connections to LM Studio are pooled. Bodies are passed
-through byte for byte: no decompression, no buffering of the response.
+through byte for byte: no decompression, no buffering of the response beyond holding an
+event stream's unfinished event until its blank line arrives.
+
+When the upstream fails, the client is told which fault it was, in its dialect's shape: a
+504 when it does not answer in time, a 502 when it answers with something that is not HTTP
+or hangs up, and an in-band error event when an event stream breaks off half way.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from proxy.config import UpstreamConfig
+from proxy.errors import ApiError, dialect_for, error_response
+from proxy.sse import SSEWriter
+from proxy.sse_relay import EventStream
 
 log = logging.getLogger(__name__)
 
@@ -107,18 +115,61 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
         await session.close()
 
 
-def unavailable_response(upstream_url: str, reason: str) -> web.Response:
-    """The 502 every client gets when LM Studio cannot be reached."""
-    message = f"upstream LM Studio at {upstream_url} is unreachable: {reason}"
-    body = {"error": {"message": message, "type": "upstream_unavailable", "code": 502}}
-    return web.json_response(body, status=502)
-
-
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return "timed out connecting"
     if isinstance(exc, TimeoutError):
         return "timed out waiting for a response"
+    return str(exc) or type(exc).__name__
+
+
+def upstream_failed(request: web.Request, config: UpstreamConfig, exc: Exception) -> web.Response:
+    """The 502 or 504 for an upstream that gave no usable response, naming what went wrong.
+
+    A timeout is a 504 like nginx's (connecting or waiting for the status line alike) and
+    names the setting to raise; anything else is a 502.
+    """
+    where = f"upstream LM Studio at {config.url}"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        status, code = 504, "upstream_timeout"
+        message = (
+            f"{where} did not accept a connection within {config.connect_timeout_s:g} s; "
+            "raise [upstream] connect_timeout_s if it is only slow to start"
+        )
+    elif isinstance(exc, TimeoutError):
+        status, code = 504, "upstream_timeout"
+        message = (
+            f"{where} sent no response within {config.timeout_s:g} s; raise [upstream] "
+            "timeout_s if it is only slow (a long prompt, a model still loading)"
+        )
+    elif isinstance(exc, aiohttp.ServerDisconnectedError):
+        status, code = 502, "upstream_closed"
+        message = f"{where} closed the connection without answering"
+    elif isinstance(exc, aiohttp.ClientResponseError):
+        # aiohttp's parser reports a bad status line or header as a 400 of its own making.
+        status, code = 502, "upstream_invalid_response"
+        message = f"{where} sent an invalid HTTP response: {_one_line(exc.message)}"
+    else:
+        status, code = 502, "upstream_unreachable"
+        message = f"{where} is unreachable: {_reason(exc)}"
+    log.warning("%s %s: %s (%s)", request.method, request.path, message, type(exc).__name__)
+    return error_response(ApiError(status, message, code=code), dialect_for(request.path))
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    # The parser's message spans lines and points at the bad byte with a lone "^".
+    words = " ".join(w for w in text.split() if w != "^")
+    return words if len(words) <= limit else words[: limit - 3] + "..."
+
+
+def _body_fault(exc: Exception, config: UpstreamConfig) -> str:
+    """Why a response body stopped short, for the client and the log."""
+    if isinstance(exc, TimeoutError):
+        return f"no data for {config.timeout_s:g} s (raise [upstream] timeout_s if it is only slow)"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        cause = exc.__cause__
+        detail = cause.message if isinstance(cause, aiohttp.http.HttpProcessingError) else exc
+        return f"the connection closed before the body was complete ({detail})"
     return str(exc) or type(exc).__name__
 
 
@@ -167,42 +218,106 @@ async def forward(request: web.Request, body: bytes | None = None) -> web.Stream
             allow_redirects=False,  # a redirect is the client's to follow, not ours
         )
     except (aiohttp.ClientError, TimeoutError) as exc:
-        log.warning(
-            "upstream %s unreachable for %s %s: %r", config.url, request.method, request.path, exc
-        )
-        return unavailable_response(config.url, _reason(exc))
+        return upstream_failed(request, config, exc)
 
     # close() drops the connection (the upstream sees the client's disconnect and stops
     # generating); release() returns a fully read one to the pool.
-    finished = False
+    drained = False
     try:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         # Content-Length and Content-Encoding stay: the bytes are passed through untouched.
         response.headers.extend(_filtered(upstream.headers, HOP_BY_HOP))
         await response.prepare(request)
-        try:
-            async for chunk in upstream.content.iter_any():
-                try:
-                    await response.write(chunk)
-                except ConnectionResetError:
-                    log.info(
-                        "client left during %s %s; closing upstream", request.method, request.path
-                    )
-                    return response
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            # Too late for a 502: cut the client's connection so it sees a truncated
-            # response instead of a clean end of stream.
-            log.warning("upstream %s failed mid-response to %s: %r", config.url, request.path, exc)
-            if request.transport is not None:
-                request.transport.close()
-            return response
-        finished = True
+        drained = await _relay_body(request, config, upstream, response)
         return response
     finally:
-        if finished:
+        if drained:
             upstream.release()
         else:
             upstream.close()
+
+
+async def _relay_body(
+    request: web.Request,
+    config: UpstreamConfig,
+    upstream: aiohttp.ClientResponse,
+    response: web.StreamResponse,
+) -> bool:
+    """Copy the body to the client; True when the upstream's body was read to its end."""
+    events = EventStream() if _is_event_stream(upstream) else None
+    received = 0
+    try:
+        async for chunk in upstream.content.iter_any():
+            received += len(chunk)
+            out = events.feed(chunk) if events is not None else chunk
+            if out and not await _send(request, response, out):
+                return False
+        if events is None or events.finished or not _must_finish(request, upstream):
+            if events is not None and events.held:
+                await _send(request, response, bytes(events.held))
+            return True
+        # A body that ends when the connection closes looks complete however early the
+        # close came; for the dialects' streams the missing final event tells them apart.
+        fault = "the connection closed before the stream's final event"
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        fault = _body_fault(exc, config)
+    where = f"upstream LM Studio at {config.url}"
+    if events is None:
+        # Too late for a 502, and a plain body has no in-band error: cut the client's
+        # connection so it sees a truncated response instead of a clean end.
+        log.warning(
+            "%s %s: %s failed after %d bytes of the body: %s; cutting the client's connection",
+            request.method,
+            request.path,
+            where,
+            received,
+            fault,
+        )
+        if request.transport is not None:
+            request.transport.close()
+        return False
+    message = f"{where} dropped the stream after {received} bytes: {fault}"
+    log.warning("%s %s: %s", request.method, request.path, message)
+    # The unfinished event in events.held is dropped: sent with a blank line after it, its
+    # cut-off JSON would make the client's SDK fail on a parse error instead of this message.
+    if not events.at_boundary and not await _send(request, response, b"\n\n"):
+        return False
+    err = ApiError(502, message, code="upstream_stream_dropped")
+    await SSEWriter(request, response=response).fail(err, dialect_for(request.path))
+    return False
+
+
+async def _send(request: web.Request, response: web.StreamResponse, data: bytes) -> bool:
+    try:
+        await response.write(data)
+    except ConnectionResetError:
+        log.info("client left during %s %s; closing upstream", request.method, request.path)
+        return False
+    return True
+
+
+def _is_event_stream(upstream: aiohttp.ClientResponse) -> bool:
+    return upstream.content_type == "text/event-stream"
+
+
+# Routes whose streams end with a final event of their dialect's own (see EventStream).
+_FINAL_EVENT_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
+
+
+def _must_finish(request: web.Request, upstream: aiohttp.ClientResponse) -> bool:
+    """Whether an end of body without the dialect's final event means the stream broke off.
+
+    Only a body that ends when the connection closes (mlx_lm.server's HTTP/1.0 streams) can
+    end early without aiohttp noticing; a chunked or sized body that stops short raises.
+    """
+    if (
+        request.method != "POST"
+        or upstream.status != 200
+        or request.path not in _FINAL_EVENT_ROUTES
+    ):
+        return False
+    sized = "Content-Length" in upstream.headers
+    return not sized and "chunked" not in upstream.headers.get("Transfer-Encoding", "").lower()
 
 
 def _is_websocket(request: web.Request) -> bool:
@@ -243,8 +358,7 @@ async def _forward_websocket(
         error = {"message": message, "type": "upstream_error", "code": exc.status}
         return web.json_response({"error": error}, status=exc.status if exc.status >= 400 else 502)
     except (aiohttp.ClientError, TimeoutError) as exc:
-        log.warning("upstream %s unreachable for WebSocket %s: %r", config.url, request.path, exc)
-        return unavailable_response(config.url, _reason(exc))
+        return upstream_failed(request, config, exc)
 
     client = web.WebSocketResponse(
         protocols=[upstream.protocol] if upstream.protocol else (), max_msg_size=0

@@ -14,17 +14,27 @@ log = logging.getLogger("proxy.sse")
 
 
 class SSEWriter:
-    def __init__(self, request: web.Request, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        request: web.Request,
+        headers: dict[str, str] | None = None,
+        response: web.StreamResponse | None = None,
+    ):
+        """``response`` is an event stream already under way (a passthrough) to end in-band."""
         self.request = request
-        self.response = web.StreamResponse(
-            status=200,
-            headers={
-                "Content-Type": "text/event-stream; charset=utf-8",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-                **(headers or {}),
-            },
-        )
+        # A StreamResponse is a mapping, so an empty one is falsy: test for None.
+        if response is not None:
+            self.response = response
+        else:
+            self.response = web.StreamResponse(
+                status=200,
+                headers={
+                    "Content-Type": "text/event-stream; charset=utf-8",
+                    "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no",
+                    **(headers or {}),
+                },
+            )
         self.ended = False
 
     async def prepare(self) -> None:

@@ -354,8 +354,8 @@ async def test_upstream_not_listening_is_502_naming_the_url(aiohttp_client):
     resp = await client.post("/v1/embeddings", json={"input": "x"})
     assert resp.status == 502
     error = (await resp.json())["error"]
-    assert error["type"] == "upstream_unavailable"
-    assert error["code"] == 502
+    assert error["type"] == "upstream_error"
+    assert error["code"] == "upstream_unreachable"
     assert error["message"].startswith(f"upstream LM Studio at {url} is unreachable: ")
 
 
@@ -424,9 +424,10 @@ def test_merge_model_lists_local_first_deduplicated_with_owners():
     ]
 
 
-async def test_upstream_dying_mid_stream_truncates_client_response(aiohttp_client, aiohttp_server):
+async def test_upstream_dying_mid_body_truncates_client_response(aiohttp_client, aiohttp_server):
+    # An event stream ends with an error event instead (tests/test_upstream_faults.py).
     async def dies(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
         await resp.write(b"data: partial\n\n")
         await asyncio.sleep(0.05)

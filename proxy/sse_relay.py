@@ -1,0 +1,52 @@
+"""An upstream's event stream, passed on to the client whole events at a time.
+
+Holding an event back until its blank line arrives costs nothing in practice (servers
+write whole events) and means that when the upstream fails, the client is left on an event
+boundary where the proxy's error event can follow, never with half an event whose cut-off
+JSON would make its SDK fail on a parse error instead of naming the cause.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+# One event larger than this is passed on unfinished rather than held in memory.
+HELD_MAX = 1 << 20
+
+# The dialects' last events: OpenAI's "data: [DONE]", Anthropic's message_stop, or an
+# error event (after which nothing comes). Matched on whole lines, so never inside JSON.
+_FINAL_EVENT = re.compile(rb"^(?:data: ?\[DONE\]|event: ?(?:message_stop|error))\r?$", re.M)
+
+
+@dataclass(slots=True)
+class EventStream:
+    """``held`` is the unfinished event; ``at_boundary`` says what was passed on ended on a
+    blank line; ``finished`` says a dialect's final event went by."""
+
+    held: bytearray = field(default_factory=bytearray)
+    at_boundary: bool = True
+    finished: bool = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes up to the last complete event so far; the rest waits for more."""
+        self.held += chunk
+        end = _events_end(self.held)
+        if end == 0 and len(self.held) <= HELD_MAX:
+            return b""
+        self.at_boundary = end > 0
+        end = end or len(self.held)
+        out = bytes(self.held[:end])
+        del self.held[:end]
+        self.finished = self.finished or _FINAL_EVENT.search(out) is not None
+        return out
+
+
+def _events_end(buf: bytearray) -> int:
+    """Where the last blank line in ``buf`` ends (0 if none): an SSE event ends there."""
+    end = 0
+    for blank in (b"\n\n", b"\r\n\r\n", b"\r\r"):
+        at = buf.rfind(blank)
+        if at >= 0:
+            end = max(end, at + len(blank))
+    return end
