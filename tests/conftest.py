@@ -69,11 +69,17 @@ class Server:
 
 
 def start_server(
-    cache_dir: Path, *args: str, log_path: Path | None = None, env: dict | None = None
+    cache_dir: Path,
+    *args: str,
+    log_path: Path | None = None,
+    env: dict | None = None,
+    prefix: tuple[str, ...] = (),
 ) -> Server:
+    """`prefix` runs the server through a wrapper command (e.g. setpriv to drop privileges)."""
     port = free_port()
     log_path = log_path or cache_dir / f"server-{port}.log"
     cmd = [
+        *prefix,
         sys.executable,
         "-m",
         "proxy.cli",

@@ -125,9 +125,10 @@ def index_path(root: Path) -> Path:
 class Index:
     """Thread-safe wrapper over one SQLite connection."""
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, *, read_only: bool = False) -> None:
         self._conn = conn
         self._lock = threading.Lock()
+        self.read_only = read_only
 
     @classmethod
     def open(cls, root: Path) -> Index:
@@ -158,7 +159,7 @@ class Index:
         path = index_path(root)
         if not path.is_file():
             return None
-        return cls(_connect(f"{path.resolve().as_uri()}?mode=ro", uri=True))
+        return cls(_connect(f"{path.resolve().as_uri()}?mode=ro", uri=True), read_only=True)
 
     @classmethod
     def open_existing(cls, root: Path) -> Index | None:
@@ -214,6 +215,38 @@ class Index:
                 "DELETE FROM entries WHERE model=? AND tenant=? AND kind=? AND key=?", list(rids)
             )
             return cur.rowcount
+
+    def remove_scope(self, scope: Scope) -> int:
+        """Delete every row of one model and tenant; returns how many there were."""
+        with self._lock, self._conn:
+            return self._conn.execute(
+                "DELETE FROM entries WHERE model=? AND tenant=?", (scope.model, scope.tenant)
+            ).rowcount
+
+    def has_scope(self, scope: Scope) -> bool:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT 1 FROM entries WHERE model=? AND tenant=? LIMIT 1",
+                (scope.model, scope.tenant),
+            ).fetchone()
+        return row is not None
+
+    def scopes(self) -> list[Scope]:
+        """Every model and tenant with at least one row."""
+        with self._lock:
+            raw = self._conn.execute("SELECT DISTINCT model, tenant FROM entries").fetchall()
+        out = []
+        for model, tenant in raw:
+            try:
+                out.append(Scope(model, tenant))
+            except ValueError:
+                continue  # not a name we write (see `_rows`)
+        return out
+
+    def probe_write(self) -> None:
+        """One write transaction that changes nothing; raises sqlite3.Error if writes fail."""
+        with self._lock, self._conn:
+            self._conn.execute("UPDATE totals SET entries = entries WHERE id = 0")
 
     def touch(self, accesses: Iterable[tuple[RawId, float]]) -> None:
         params = [(t, *rid) for rid, t in accesses]

@@ -115,6 +115,15 @@ class CacheManager:
         with self._lock:
             return [h in self._pool for h in hashes]
 
+    def entry(self, kind: EntryKind, key: BlockHash) -> Entry | None:
+        with self._lock:
+            return (self._pool if kind is EntryKind.BLOCK else self._checkpoints).get(key)
+
+    def entries(self) -> list[Entry]:
+        """Every block and checkpoint held now, blocks first (a snapshot)."""
+        with self._lock:
+            return [*self._pool.entries(), *self._checkpoints.entries()]
+
     # ---- pinning ------------------------------------------------------------------------
 
     def acquire(self, match: Match) -> bool:

@@ -170,6 +170,9 @@ class GroupedStore:
     def get(self, key: BlockHash) -> Any | None:
         return self._by_key.get(key)
 
+    def entries(self) -> list[Any]:
+        return list(self._by_key.values())
+
     def group(self, group: BlockHash) -> Collection[Any]:
         return self._groups.get(group, {}).values()
 

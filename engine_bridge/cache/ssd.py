@@ -3,7 +3,10 @@
 Works on host bytes only (HostTensor), under the RAM tier. Writes go through one writer
 thread behind a bounded queue that drops rather than blocks; reads run on the caller's
 thread and validate every byte before returning it. Any I/O fault degrades to a miss or
-to RAM-only operation, counted and logged once; nothing here raises into a request.
+to RAM-only operation, counted and logged once; nothing here raises into a request. A
+folder deleted under the store is made again, and a tier turned RAM-only by a failed
+write resumes once a probe succeeds (ssd_health); either way the owner hears of it through
+`on_lost`, to write again what RAM still holds.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 from engine_bridge.cache import ssd_files as files
+from engine_bridge.cache import ssd_health as health
 from engine_bridge.cache import ssd_maintenance as maintenance
 from engine_bridge.cache.index import EntryRow, Index, RawId, Scope
 from engine_bridge.cache.kinds import EntryKind
@@ -49,6 +53,9 @@ log = logging.getLogger(__name__)
 
 PutReason = Literal["spill", "write_through"]
 PutOutcome = Literal["queued", "duplicate", "dropped", "disabled"]
+# Told that entries it put may be gone from disk (of one scope, or None: all of them);
+# returns how many entries it still holds in RAM and will put again.
+OnLost = Callable[[Scope | None], int]
 _LATENCY_WINDOW = 1024
 
 
@@ -59,7 +66,9 @@ class SSDConfig:
     ttl_s: float | None = None  # drop entries not used for this long
     queue_size: int = 256  # entries waiting for the writer
     queue_max_bytes: int | None = None  # and their total size, if bounded
-    maintenance_interval_s: float = 30.0  # TTL sweep and last-access flush
+    maintenance_interval_s: float = 30.0  # TTL sweep, last-access flush, scope folders
+    check_interval_s: float = 1.0  # an idle writer looks for its folder this often
+    retry_s: float = 1.0  # first probe after a failed write; then doubling, up to maintenance
     # "background": the store is usable at once and the writer reconciles first.
     reconcile: Literal["background", "sync", "off"] = "background"
 
@@ -94,6 +103,8 @@ class SSDStats:
     quarantined: int = 0
     evictions: int = 0
     expired: int = 0
+    folder_losses: int = 0  # folder or index found deleted while serving, and made again
+    resumes: int = 0  # times writing came back after a failed write had turned it off
     disabled: bool = False
     disabled_reason: str | None = None
 
@@ -114,7 +125,7 @@ class _Counters:
 _COUNTER_NAMES = tuple(
     f.name
     for f in fields(SSDStats)
-    if f.type == "int" and f.name not in ("entries", "bytes", "queued")
+    if f.type == "int" and f.name not in ("entries", "bytes", "queued", "folder_losses", "resumes")
 )
 
 
@@ -131,7 +142,18 @@ class SSDStore:
         self._disabled_reason: str | None = None
         self._reconciled = threading.Event()
         self.last_reconcile: ReconcileReport | None = None
-        self._index = self._open_index()
+        # Set by the tier above (TieredCache); called on the writer thread.
+        self.on_lost: OnLost | None = None
+        self._next_check = 0.0
+        self._watch = health.FolderWatch(
+            self.root,
+            health.Retry(config.retry_s, max(config.retry_s, config.maintenance_interval_s)),
+            max_entry_bytes=config.max_bytes,
+            disable=self._disable,
+            enable=self._enable,
+            lost=self._notify_lost,
+        )
+        self._watch.open()
         if config.reconcile == "sync":
             self.reconcile()
         self._writer = Writer(
@@ -140,6 +162,7 @@ class SSDStore:
             startup=self._startup,
             on_drop=lambda job: self._count("queue_drops", None),
             on_exit=self._shutdown,
+            tick=self._tick,
             queue_size=config.queue_size,
             queue_max_bytes=config.queue_max_bytes,
             interval_s=config.maintenance_interval_s,
@@ -184,6 +207,12 @@ class SSDStore:
         """Which keys are on disk, from the index alone (no file is opened)."""
         found = self._present(scope, kind, keys)
         return [k in found for k in keys]
+
+    def holds(self, scope: Scope, kind: EntryKind, key: bytes) -> bool:
+        """Whether the index has the entry and its file is there (one stat: for writing
+        lost entries again, not for lookups, which trust the index)."""
+        path = files.entry_path(self.root, (scope.model, scope.tenant, kind, key))
+        return bool(self._present(scope, kind, [key])) and not health.missing(path)
 
     def get(
         self,
@@ -239,12 +268,31 @@ class SSDStore:
                 entries=entries,
                 bytes=nbytes,
                 **{**c.values, "queued": self._writer.pending},
+                folder_losses=self._watch.losses,
+                resumes=self._watch.resumes,
                 reload_ms_mean=sum(lat) / len(lat) if lat else 0.0,
                 reload_ms_p95=lat[math.ceil(0.95 * len(lat)) - 1] if lat else 0.0,
                 reload_bytes_per_s=c.read_bytes / c.read_seconds if c.read_seconds else 0.0,
                 disabled=self._disabled_reason is not None,
                 disabled_reason=self._disabled_reason,
             )
+
+    @property
+    def room(self) -> int:
+        """About how many more entries `put` would queue now without dropping."""
+        return self._writer.room
+
+    def check_folder(self, timeout_s: float = 1.0) -> bool:
+        """Look now for a deleted folder or index (the writer looks before each write and
+        about once a second, and for deleted scope folders once per maintenance interval).
+        False if a write held the disk for `timeout_s` (a hung disk must not hang a close)."""
+        if not self._io_lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            self._watch.check_scopes()
+        finally:
+            self._io_lock.release()
+        return True
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued entry has been written or dropped; False on timeout."""
@@ -288,9 +336,23 @@ class SSDStore:
     def _maintain(self) -> None:
         with self._io_lock:
             try:
+                self._watch.check_scopes()
                 self._expire()
             except sqlite3.Error as e:
                 log.debug("SSD cache: maintenance skipped: %s", e)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + self.config.check_interval_s
+        try:
+            with self._io_lock:
+                self._watch.check()
+                if self._disabled_reason is not None and self._watch.retry.due(now):
+                    self._watch.try_resume(now)
+        except Exception:
+            log.exception("SSD cache: checking %s failed", self.root)
 
     def _expire(self) -> int:
         self._flush_touches()
@@ -320,12 +382,12 @@ class SSDStore:
         try:
             self._flush_touches()
         finally:
-            if self._index is not None:
-                self._index.close()
+            self._watch.close()
 
     def _process(self, job: Job) -> None:
         try:
             with self._io_lock:
+                self._watch.check()
                 self._write(job)
         except Exception:
             log.exception("SSD cache: writing entry %s failed", job.rid[3].hex())
@@ -338,10 +400,14 @@ class SSDStore:
             return
         model, tenant, kind, key = job.rid
         scope = Scope(model, tenant)
+        path = files.entry_path(self.root, job.rid)
         try:
+            self._watch.check_scope(scope)
             if index.present(scope, kind, [key]):
-                self._count("dedup_skips", None)
-                return
+                if not health.missing(path):
+                    self._count("dedup_skips", None)
+                    return
+                index.remove([job.rid])  # its file was deleted by hand: write it again
         except sqlite3.Error as e:
             self._disable(f"index unusable: {e}")
             return
@@ -353,7 +419,6 @@ class SSDStore:
         if size > self.config.max_bytes:
             self._count("oversize_drops", None)
             return
-        path = files.entry_path(self.root, job.rid)
         try:
             files.write_atomic(path, [head, *chunks])
         except FileNotFoundError as e:
@@ -362,7 +427,7 @@ class SSDStore:
             self._count("write_errors", None)
             return
         except OSError as e:
-            self._disable(f"cannot write {path.parent}: {e}")
+            self._disable(f"cannot write {path.parent}: {e}", path.parent)
             return
         try:
             index.add([EntryRow(scope, kind, key, size, job.tokens, now, now, job.tags)])
@@ -382,24 +447,41 @@ class SSDStore:
 
     # ---- faults ---------------------------------------------------------------------
 
-    def _open_index(self) -> Index | None:
-        try:
-            files.makedirs_private(self.root)
-            return Index.open(self.root)
-        except (OSError, sqlite3.Error) as e:
-            self._disable(f"cannot open {self.root}: {e}")
-        try:  # reads may still work from an existing, read-only cache
-            return Index.open_readonly(self.root)
-        except (OSError, sqlite3.Error):
-            return None
+    @property
+    def _index(self) -> Index | None:
+        return self._watch.index
 
-    def _disable(self, reason: str) -> None:
+    def _disable(self, reason: str, folder: Path | None = None) -> None:
         with self._lock:
             if self._disabled_reason is not None:
                 return
             self._disabled_reason = reason
-        hint = " (disk full)" if f"[Errno {errno.ENOSPC}]" in reason else ""
-        log.warning("SSD cache disabled, continuing RAM-only%s: %s", hint, reason)
+        self._watch.probe_dir = folder or self.root
+        self._watch.retry.schedule(time.monotonic())
+        hint = ""
+        if f"[Errno {errno.ENOSPC}]" in reason:
+            hint = " (disk full)"
+        elif f"[Errno {errno.EACCES}]" in reason or f"[Errno {errno.EPERM}]" in reason:
+            hint = " (permission denied)"
+        log.warning(
+            "SSD cache disabled, continuing RAM-only%s: %s; cache folder %s, writes resume "
+            "once a probe succeeds (next in %.0fs, then at most every %.0fs)",
+            hint, reason, self.root, self._watch.retry.delay, self._watch.retry.max_s,
+        )  # fmt: skip
+
+    def _enable(self) -> str | None:
+        with self._lock:
+            reason, self._disabled_reason = self._disabled_reason, None
+        return reason
+
+    def _notify_lost(self, scope: Scope | None) -> int:
+        if self.on_lost is None:
+            return 0
+        try:
+            return self.on_lost(scope)
+        except Exception:
+            log.exception("SSD cache: re-queueing what RAM holds for %s failed", scope or "all")
+            return 0
 
     def _read(self, rid: RawId, size: int) -> SSDEntry | None:
         path = files.entry_path(self.root, rid)

@@ -72,6 +72,24 @@ def write_atomic(path: Path, chunks: Sequence[bytes | memoryview]) -> None:
     fsync_dir(path.parent)
 
 
+def probe_write(folder: Path, nbytes: int = 4096) -> None:
+    """Take the steps an entry write takes (make the folder, create, fill and fsync a temp
+    file) with a throwaway file, so a probe fails as a write would; raises OSError."""
+    makedirs_private(folder)
+    # The temp name's form, so that reconcile removes it if this process dies mid-probe.
+    tmp = folder / f".probe.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            os.write(fd, bytes(nbytes))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        with suppress(OSError):
+            os.unlink(tmp)
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename durable; best effort (not every platform lets a folder be fsynced)."""
     with suppress(OSError):

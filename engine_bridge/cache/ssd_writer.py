@@ -1,7 +1,8 @@
 """The SSD tier's writer: one thread behind a bounded queue that drops rather than blocks.
 
-Only queue mechanics live here (admission, dedupe of queued entries, periodic
-maintenance, a bounded drain at close); what a write does is the store's callback.
+Only queue mechanics live here (admission, dedupe of queued entries, a tick at least once
+a second, periodic maintenance, a bounded drain at close); what a write does is the
+store's callback.
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ class Writer:
         startup: Callable[[], None],
         on_drop: Callable[[Job], None],
         on_exit: Callable[[], None],
+        tick: Callable[[], None] | None = None,
         queue_size: int,
         queue_max_bytes: int | None,
         interval_s: float,
     ) -> None:
         self._process, self._maintain, self._startup = process, maintain, startup
-        self._on_drop, self._on_exit = on_drop, on_exit
+        self._on_drop, self._on_exit, self._tick = on_drop, on_exit, tick
         self._queue: queue.Queue[Job | None] = queue.Queue(queue_size)
         self._max_bytes = queue_max_bytes
         self._interval = interval_s
@@ -64,6 +66,11 @@ class Writer:
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    @property
+    def room(self) -> int:
+        """About how many more jobs `submit` would take now (by count, not bytes)."""
+        return max(0, self._queue.maxsize - len(self._pending))
 
     def submit(self, job: Job) -> Admission:
         """Queue a job without ever waiting for room."""
@@ -124,6 +131,8 @@ class Writer:
                         self._process(job)
                     finally:
                         self._done(job)
+                if self._tick is not None:
+                    self._tick()  # after each job, and at least once a second when idle
                 if time.monotonic() >= next_maintenance:
                     self._maintain()
                     next_maintenance = time.monotonic() + self._interval

@@ -4,13 +4,18 @@ A request's chain is hashed once (`hashing.Chain`) and every step here works on 
 `lookup` says how far RAM reaches and how far RAM plus SSD reach (SGLang's `MatchResult`
 with its `host_hit_length`); `promote` brings the SSD part into RAM, reserving the budget
 before it reads and falling back to a shallower checkpoint when an entry turns out corrupt.
-Stores write through to SSD, and entries RAM evicts spill there. Payloads cross to host
-bytes through a `Codec`, which `kv` implements, so this package never imports mlx.
+Stores write through to SSD, and entries RAM evicts spill there. When the SSD loses what
+it held (its folder deleted while serving, or writes failing for a while), what RAM still
+holds is written again. Payloads cross to host bytes through a `Codec`, which `kv`
+implements, so this package never imports mlx.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -20,7 +25,7 @@ from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
 from engine_bridge.cache.manager import CacheManager, CacheStats, Entry
 from engine_bridge.cache.matching import Match
-from engine_bridge.cache.ssd import PutReason, SSDStats, SSDStore
+from engine_bridge.cache.ssd import PutOutcome, PutReason, SSDStats, SSDStore
 from engine_bridge.cache.tensors import HostTensor
 
 log = logging.getLogger(__name__)
@@ -33,6 +38,9 @@ _PROMOTION_TRIES = 4
 # Block presence is asked of the SSD index this many hashes at a time, then twice as many:
 # a cold prompt costs one small query, a long hit a handful.
 _PRESENCE_STEP = 64
+# Entries the SSD lost are put again this many per request at most (on the MLX thread,
+# since turning a payload into host bytes evaluates it), so no request stalls for long.
+_REWRITE_STEP = 32
 
 
 class Codec(Protocol):
@@ -111,13 +119,19 @@ class TieredCache:
         self.ssd = ssd
         self.codec = codec
         self.write_through = write_through
+        # Entries RAM holds that the SSD lost, to put again (see `_ssd_lost`).
+        self._rewrite: deque[tuple[EntryKind, BlockHash]] = deque()
+        self._rewrite_lock = threading.Lock()
         if ssd is not None:
             ram.on_evict = self._spill
+            ssd.on_lost = self._ssd_lost
 
     # ---- lookup -------------------------------------------------------------------------
 
     def lookup(self, chain: Chain, scope: Scope, *, needs_checkpoint: bool) -> Hit:
         """One look through every tier; reads index rows, never entry files."""
+        if self._rewrite:
+            self._rewrite_some(_REWRITE_STEP)
         ram = self.ram.match(chain, needs_checkpoint=needs_checkpoint)
         lcp = self.ram.match(chain, needs_checkpoint=False) if needs_checkpoint else ram
         diverged = lcp.length if lcp.diverged and 0 < lcp.length < len(chain) - 1 else None
@@ -315,12 +329,14 @@ class TieredCache:
 
     def _spill(self, entry: Entry) -> None:
         """RAM eviction hook: write what is not on disk yet instead of losing it."""
+        self._put(entry, "spill")
+
+    def _put(self, entry: Entry, why: PutReason) -> PutOutcome | None:
         stored = entry.payload
         assert isinstance(stored, Stored), f"{entry!r} holds a {type(stored).__name__}"
         if entry.kind is EntryKind.BLOCK:
-            self._write(stored, entry.kind, entry.key, len(entry.tokens), None, "spill")
-        else:
-            self._write(stored, entry.kind, entry.key, entry.position, entry.reason, "spill")
+            return self._write(stored, entry.kind, entry.key, len(entry.tokens), None, why)
+        return self._write(stored, entry.kind, entry.key, entry.position, entry.reason, why)
 
     def _write(
         self,
@@ -330,15 +346,64 @@ class TieredCache:
         tokens: int,
         reason: Reason | None,
         why: PutReason = "write_through",
-    ) -> None:
+    ) -> PutOutcome | None:
         if self.ssd is None or stored.on_ssd:
-            return
+            return None
         tensors, meta = self.codec.to_host(stored.payload)
         meta[_META_TOKENS] = str(tokens)
         if reason is not None:
             meta[_META_REASON] = reason.value
         outcome = self.ssd.put(stored.scope, kind, key, tensors, meta, tokens=tokens, reason=why)
         stored.on_ssd = outcome in ("queued", "duplicate")
+        return outcome
+
+    # ---- what the SSD lost --------------------------------------------------------------
+
+    def _ssd_lost(self, scope: Scope | None) -> int:
+        """The SSD lost its copies (of `scope`, or all): what RAM still holds loses its
+        'on SSD' mark, so eviction spills it again, and with write-through it is put again
+        from the next requests. Runs on the SSD writer thread; returns the entries held."""
+        held = [e for e in self.ram.entries() if scope is None or e.payload.scope == scope]
+        for entry in held:
+            entry.payload.on_ssd = False
+        if self.write_through:
+            with self._rewrite_lock:
+                self._rewrite.extend((e.kind, e.key) for e in held)
+        return len(held)
+
+    def _rewrite_some(self, limit: int) -> int:
+        """Put up to `limit` entries of the rewrite backlog, as far as the SSD queue has
+        room; skips those evicted (spilled then) or still on disk. Returns how many."""
+        assert self.ssd is not None
+        limit, queued, failed = min(limit, self.ssd.room), 0, None
+        while queued < limit:
+            with self._rewrite_lock:
+                if not self._rewrite:
+                    break
+                kind, key = self._rewrite.popleft()
+            entry = self.ram.entry(kind, key)
+            if entry is None or entry.payload.on_ssd:
+                continue
+            if self.ssd.holds(entry.payload.scope, kind, key):
+                entry.payload.on_ssd = True  # its file survived, and the new index has it
+                continue
+            try:
+                outcome = self._put(entry, "write_through")
+            except Exception as e:  # e.g. at close, off the MLX thread (see `close`)
+                failed = e
+                continue
+            if outcome == "dropped":  # the queue filled up meanwhile: later
+                with self._rewrite_lock:
+                    self._rewrite.appendleft((kind, key))
+                break
+            if outcome == "disabled":  # RAM-only again; a resume re-queues everything
+                with self._rewrite_lock:
+                    self._rewrite.clear()
+                break
+            queued += outcome == "queued"
+        if failed is not None:
+            log.warning("ssd: could not put entries RAM holds to write them again: %r", failed)
+        return queued
 
     # ---- upkeep -------------------------------------------------------------------------
 
@@ -346,6 +411,15 @@ class TieredCache:
         return TierStats(self.ram.stats(), self.ssd.stats() if self.ssd is not None else None)
 
     def close(self, timeout_s: float) -> None:
-        """Drain queued SSD writes for at most `timeout_s`."""
-        if self.ssd is not None:
-            self.ssd.close(timeout_s)
+        """Drain queued SSD writes for at most `timeout_s`, and in that time write again
+        what RAM holds that the SSD lost (a folder deleted since the last request)."""
+        if self.ssd is None:
+            return
+        end = time.monotonic() + timeout_s
+        self.ssd.check_folder(timeout_s / 2)
+        # The MLX thread has stopped by now; payloads RAM holds were evaluated when first
+        # written, so turning them into host bytes here evaluates nothing new.
+        while self._rewrite and time.monotonic() < end:
+            if not self._rewrite_some(self.ssd.room) and not self.ssd.flush(end - time.monotonic()):
+                break
+        self.ssd.close(max(0.0, end - time.monotonic()))
