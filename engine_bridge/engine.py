@@ -266,7 +266,9 @@ class Engine:
         while True:
             await asyncio.sleep(period)
             if guard:
-                self.guard_memory()
+                # On the MLX thread: a shrink evicts, and a spill turns arrays into bytes,
+                # which MLX only does on the thread that owns their stream.
+                await self._on_mlx(self.guard_memory)
             if idle and time.monotonic() - last_idle_check >= idle_period:
                 last_idle_check = time.monotonic()
                 await self.unload_idle(idle)

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 
 import psutil
+import pytest
 
 from engine_bridge.engine import Engine, EngineSettings
 from engine_bridge.types import GenerationRequest, Message, Sampling, TokenEvent
@@ -35,7 +36,12 @@ async def _run(engine: Engine, req: GenerationRequest):
     return tokens, stream.result
 
 
-def test_pressure_shrinks_the_ram_tier_to_ssd_and_answers_stay_equal(demo_root, tmp_path):
+@pytest.mark.parametrize("write_through", [True, False], ids=["write-through", "spill-only"])
+def test_pressure_shrinks_the_ram_tier_to_ssd_and_answers_stay_equal(
+    demo_root, tmp_path, write_through
+):
+    # Spill-only is the case where eviction itself writes: the janitor must run it on the
+    # MLX thread, or turning not-yet-computed arrays into bytes fails and the entry is lost.
     total = psutil.virtual_memory().total
     budget = 256 << 20
     engine = Engine(
@@ -46,6 +52,7 @@ def test_pressure_shrinks_the_ram_tier_to_ssd_and_answers_stay_equal(demo_root, 
             ram_min_available_bytes=2 * total,  # more than this machine has: always pressure
             ram_pressure_min_budget_bytes=0,
             memory_check_s=0.05,
+            ssd_write_through=write_through,
         )
     )
     loop = asyncio.Runner()
@@ -65,6 +72,7 @@ def test_pressure_shrinks_the_ram_tier_to_ssd_and_answers_stay_equal(demo_root, 
         loop.run(janitor_for_a_while())
         ram = engine.tiers.ram.stats()
         assert ram.budget_bytes == 0 and ram.bytes == 0, ram
+        assert ram.spill_errors == 0, ram
         memory = engine.stats()["memory"]
         assert memory["active"] and memory["shrinks"] >= 1 and memory["freed_bytes"] >= held
         assert engine.tiers.ssd is not None
