@@ -253,7 +253,9 @@ def anthropic_text(
 class Monitor:
     """Samples the server process's RSS and open descriptors on a thread."""
 
-    def __init__(self, pid: int, tally: Tally, period: float = 0.5) -> None:
+    def __init__(self, url: str, pid: int, tally: Tally, period: float = 0.5) -> None:
+        self.url = url
+        self.mlx = (0, 0)
         self.process = psutil.Process(pid)
         self.tally = tally
         self.period = period
@@ -268,10 +270,20 @@ class Monitor:
             rss=self.process.memory_info().rss,
             fds=self.process.num_fds(),
             done=self.tally.completed + len(self.tally.errors),
+            mlx_active=self.mlx[0],
+            mlx_cache=self.mlx[1],
         )
 
+    def _poll_mlx(self) -> None:
+        memory = httpx.get(self.url + "/v1/cache/stats", timeout=30).json()["memory"]
+        self.mlx = (memory["mlx_active_bytes"], memory["mlx_cache_bytes"])
+
     def _run(self) -> None:
-        while not self._stop.wait(self.period):
+        for n in itertools.count():
+            if self._stop.wait(self.period):
+                return
+            if n % 10 == 0:
+                self._poll_mlx()
             self.samples.append(self.sample())
 
     def __enter__(self) -> Monitor:
@@ -331,7 +343,7 @@ def soak(url: str, pid: int, settings: Settings, progress=sys.stderr) -> dict[st
     systems = system_prompts(settings.seed)
     clients = [Client(i, url, settings, systems) for i in range(settings.clients)]
     counter = itertools.count()  # next() on a count is atomic under the GIL
-    with Monitor(pid, tally) as monitor:
+    with Monitor(url, pid, tally) as monitor:
         time.sleep(1.0)
         start = monitor.sample()
         t0 = time.monotonic()
@@ -347,7 +359,8 @@ def soak(url: str, pid: int, settings: Settings, progress=sys.stderr) -> dict[st
             rate = tally.completed / max(time.monotonic() - t0, 1e-9)
             print(
                 f"[soak] {tally.completed + len(tally.errors)}/{settings.requests} requests, "
-                f"{rate:.1f}/s, rss {last.rss / 1e6:.0f} MB, fds {last.fds}, "
+                f"{rate:.1f}/s, rss {last.rss / 1e6:.0f} MB (mlx cache {last.mlx_cache / 1e6:.0f} MB), "
+                f"fds {last.fds}, "
                 f"errors {len(tally.errors)}",
                 file=progress,
                 flush=True,

@@ -19,6 +19,9 @@ class Sample:
     rss: int
     fds: int
     done: int  # requests finished (or failed) so far
+    # From /v1/cache/stats, polled every few samples: MLX's live arrays and its buffer cache.
+    mlx_active: int = 0
+    mlx_cache: int = 0
 
 
 def growth(samples: list[Sample]) -> tuple[int, float]:
@@ -94,6 +97,8 @@ def evaluate(
         "rss_end_mb": round(samples[-1].rss / MB, 1),
         "rss_second_half_growth_mb": round(grew / MB, 1),
         "rss_second_half_slope_mb_per_min": round(slope, 2),
+        "mlx_cache_peak_mb": round(max(x.mlx_cache for x in samples) / MB, 1),
+        "mlx_active_peak_mb": round(max(x.mlx_active for x in samples) / MB, 1),
         "fds_start": start_fds,
         "fds_end": end_fds,
         "bypass_compared": compared,

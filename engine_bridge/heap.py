@@ -1,0 +1,41 @@
+"""Give freed heap memory back to the system, where the C library keeps it otherwise.
+
+glibc's malloc keeps what a thread frees in that thread's arena for reuse. A server whose
+request threads, MLX thread and SSD writer allocate and free all day holds on to tens of
+megabytes that nothing uses: the load soak saw RSS creep about 6 MB a minute at a steady
+state, and one ``malloc_trim(0)`` gave back 56 MB of it. macOS's allocator returns memory by
+itself, so there this does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+log = logging.getLogger(__name__)
+
+
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim  # glibc only; musl has none
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+_TRIM = _malloc_trim()
+
+
+def trim() -> bool:
+    """Return free heap pages to the system; False where the C library cannot."""
+    if _TRIM is None:
+        return False
+    _TRIM(0)
+    return True
