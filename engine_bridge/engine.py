@@ -6,7 +6,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -169,6 +169,8 @@ class Engine:
         self.settings = settings
         self._entries: dict[str, ModelEntry] = {}
         self.requests = RequestStats()
+        # Called with every finished request (on the MLX thread): metrics, request logs.
+        self.result_listeners: list[Callable[[GenerationRequest, GenerationResult], None]] = []
         self.pressure = MemoryPressure(
             floor_bytes=settings.ram_min_available_bytes, budget_bytes=settings.ram_budget_bytes
         )
@@ -229,12 +231,20 @@ class Engine:
                     loaded,
                     self.scheduler,
                     self._session_factory(loaded),
-                    on_result=self.requests.record,
+                    on_result=self._record,
                 )
                 self.scheduler.add(entry.runner)
             # Marks the model busy for the idle janitor before any await can intervene.
             entry.runner.last_used = time.monotonic()
         return entry.runner
+
+    def _record(self, req: GenerationRequest, result: GenerationResult) -> None:
+        self.requests.record(result)
+        for listener in self.result_listeners:
+            try:
+                listener(req, result)
+            except Exception:  # a listener's bug must not fail the request it observes
+                log.exception("result listener %r failed", listener)
 
     async def unload_idle(self, idle_s: float) -> list[str]:
         """Unload models unused for `idle_s` seconds; their cache stays on SSD (and in RAM)."""

@@ -65,7 +65,7 @@ class Runner:
         loaded: LoadedModel,
         scheduler: Scheduler,
         session_factory: Callable[[Job], CacheSession | None] | None = None,
-        on_result: Callable[[GenerationResult], None] | None = None,
+        on_result: Callable[[GenerationRequest, GenerationResult], None] | None = None,
     ):
         self.loaded = loaded
         self.scheduler = scheduler
@@ -218,7 +218,9 @@ class Runner:
             if self._session_factory is not None and req.use_cache:
                 seq.session = self._session_factory(job)
             if seq.session is not None:
+                t0 = time.perf_counter()
                 seq.cache, seq.position, seq.source = seq.session.restore()
+                seq.restore_s = time.perf_counter() - t0
             else:
                 seq.cache = make_prompt_cache(self.loaded.model)
             seq.cached = seq.position
@@ -270,8 +272,11 @@ class Runner:
             try:
                 model(mx.array(seq.tokens[seq.position : end])[None], cache=seq.cache)
                 mx.eval([c.state for c in seq.cache])
-                self.scheduler.stats.prefill_s += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.scheduler.stats.prefill_s += dt
                 self.scheduler.stats.prefill_tokens += end - seq.position
+                seq.prefill_s += dt
+                seq.prefilled += end - seq.position
                 spent += end - seq.position
                 seq.position = end
                 if seq.session is not None:
@@ -409,7 +414,7 @@ class Runner:
         )
         if self._on_result is not None:
             # Recorded here, not by the consumer, which may have gone away.
-            self._on_result(result)
+            self._on_result(seq.job.request, result)
         seq.emit(result)
         seq.emit(None)
 

@@ -39,6 +39,9 @@ class Seq:
         self.out: list[int] = []
         self.history: list[int] = list(job.prompt.tokens[-64:])
         self.ttft: float | None = None
+        self.restore_s = 0.0
+        self.prefill_s = 0.0
+        self.prefilled = 0  # prompt tokens this request computed (not restored)
         self.finish: FinishReason | None = None
 
     @property
@@ -92,6 +95,9 @@ class Seq:
             generation_s=now - self.start,
             stop_string=self.stopper.matched,
             used_cache=used_cache,
+            restore_s=self.restore_s,
+            prefill_s=self.prefill_s,
+            prefilled_tokens=self.prefilled,
         )
 
 

@@ -188,3 +188,13 @@ class GenerationResult:
     stop_string: str | None = None
     # False for bypassed requests and cache-less models: they stay out of the hit ratio.
     used_cache: bool = True
+    # Time to look the prompt up and restore its cached state (SSD promotion included),
+    # and time the model spent prefilling the rest, over `prefilled_tokens` tokens.
+    restore_s: float = 0.0
+    prefill_s: float = 0.0
+    prefilled_tokens: int = 0
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        """The model's prefill speed on this request; None when it prefilled nothing."""
+        return self.prefilled_tokens / self.prefill_s if self.prefill_s > 0 else None
