@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from . import dashboard
 from .generation import BYPASS_HEADER, SESSION_HEADERS
 from .state import ENGINE, SETTINGS
 
@@ -524,6 +525,7 @@ def document(model_ids: Sequence[str], tenant_header: str = "x-tenant") -> Schem
         },
         "/health": {"get": _get_op("liveness and the models served", "Health", "admin")},
         "/v1/cache/stats": {"get": _get_op("prompt cache counters", "CacheStats", "admin")},
+        **dashboard.openapi_paths(),
         "/openapi.json": {
             "get": {
                 "summary": "this document",

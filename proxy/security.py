@@ -36,6 +36,9 @@ WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::"})
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 # Routes that anyone who can reach the port may call without an API key (probes, menus).
 KEYLESS_PATHS = frozenset({"/health"})
+# Routes a browser loads by navigating, which sends no key: the dashboard's page and files
+# hold no data, and the page sends the key itself on every call that reads or changes some.
+KEYLESS_ROUTES = frozenset({"dashboard", "dashboard_asset"})
 # The catch-all route that hands requests to the upstream; the upstream judges their bodies.
 PASSTHROUGH_ROUTE = "passthrough"
 # Headers a listed origin's page may read from our responses (fetch hides the rest).
@@ -248,7 +251,7 @@ async def browser_safety(request: web.Request, handler):
                 "send state-changing requests (a web page elsewhere must not drive it)",
                 code="origin_not_allowed",
             )
-    if policy.api_keys and request.path not in KEYLESS_PATHS:
+    if policy.api_keys and not _keyless(request):
         if not policy.key_valid(api_key(request)):
             raise ApiError(
                 401,
@@ -267,6 +270,12 @@ def api_key(request: web.Request) -> str | None:
     if auth.lower().startswith("bearer "):
         return auth[7:].strip()
     return request.headers.get("x-api-key")
+
+
+def _keyless(request: web.Request) -> bool:
+    # By route name, not path prefix: /dashboard/a/b is not a dashboard route but the
+    # passthrough's, and must not reach the upstream without a key.
+    return request.path in KEYLESS_PATHS or request.match_info.route.name in KEYLESS_ROUTES
 
 
 def _check_host(request: web.Request, policy: BrowserPolicy) -> tuple[str, int | None]:

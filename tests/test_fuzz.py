@@ -121,6 +121,8 @@ def test_schemathesis_seeded_subset_has_no_server_errors_and_conforms(server):
         "GET /v1/cache/stats",
         "GET /api/v0/models",
         "GET /openapi.json",
+        "GET /dashboard",
+        "GET /dashboard/{asset}",
     }
     assert set(tally.cases) == routes
     assert tally.total >= 10 * SCHEMATHESIS_CASES

@@ -83,10 +83,10 @@ class SSDStats:
 
     entries: int = 0
     bytes: int = 0
+    max_bytes: int = 0  # the capacity limit ([cache.ssd] max_size) `bytes` is held under
     queued: int = 0
     writes: int = 0
     bytes_written: int = 0
-    bytes_read: int = 0  # payload bytes read back by hits (promotions)
     spills: int = 0
     write_throughs: int = 0
     dedup_skips: int = 0
@@ -126,8 +126,7 @@ class _Counters:
 _COUNTER_NAMES = tuple(
     f.name
     for f in fields(SSDStats)
-    if f.type == "int"
-    and f.name not in ("entries", "bytes", "bytes_read", "queued", "folder_losses", "resumes")
+    if f.type == "int" and f.name not in ("entries", "bytes", "max_bytes", "queued", "folder_losses", "resumes")
 )
 
 
@@ -269,10 +268,10 @@ class SSDStore:
             return SSDStats(
                 entries=entries,
                 bytes=nbytes,
+                max_bytes=self.config.max_bytes,
                 **{**c.values, "queued": self._writer.pending},
                 folder_losses=self._watch.losses,
                 resumes=self._watch.resumes,
-                bytes_read=c.read_bytes,
                 reload_ms_mean=sum(lat) / len(lat) if lat else 0.0,
                 reload_ms_p95=lat[math.ceil(0.95 * len(lat)) - 1] if lat else 0.0,
                 reload_bytes_per_s=c.read_bytes / c.read_seconds if c.read_seconds else 0.0,

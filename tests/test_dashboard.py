@@ -1,0 +1,230 @@
+"""GET /dashboard: its files and headers over HTTP, and the page itself in a real headless
+Chromium (Debian's `chromium`, driven by Playwright) against a real proxy and SDK traffic."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from engine_bridge.engine import Engine, EngineSettings
+from proxy import dashboard
+from proxy.app import create_app
+from proxy.config import UpstreamConfig
+from proxy.security import browser_policy
+from proxy.state import ProxySettings
+from tests.conftest import Server, fresh_cache_dir, start_server
+
+CHROMIUM = shutil.which("chromium")
+try:
+    from playwright.sync_api import Browser, Page, sync_playwright
+except ImportError:  # the test extras bring it
+    sync_playwright = None
+
+needs_browser = pytest.mark.skipif(
+    CHROMIUM is None or sync_playwright is None,
+    reason="needs Debian's chromium on PATH (apt-get install chromium; .ci/run installs it) "
+    "and the playwright package (pip install -e '.[test]'); Playwright's own browser "
+    "download is not used",
+)
+WAIT_MS = 15_000  # the page polls every 2 s
+KEY = "sk-dashboard-test"
+
+
+# ---------------------------------------------------------------------------------------
+# Files and headers, no browser
+
+
+@pytest.fixture
+async def app_client(aiohttp_client, demo_root, tmp_path):
+    """The app in-process; `keyed=True` serves it as an exposed server with an API key."""
+
+    async def make(keyed: bool = False):
+        engine = Engine(
+            EngineSettings(
+                cache_dir=fresh_cache_dir(demo_root, tmp_path / "cache"),
+                model_specs=["demo-llama"],
+                ssd_enabled=False,
+            )
+        )
+        policy = browser_policy("0.0.0.0", api_keys=[KEY]) if keyed else None
+        settings = ProxySettings(tenant_api_keys={KEY: "team"} if keyed else {})
+        app = create_app(engine, settings, UpstreamConfig(enabled=False), policy)
+        return await aiohttp_client(app)
+
+    return make
+
+
+async def test_page_and_every_file_it_loads_are_served_with_a_same_origin_csp(app_client):
+    client = await app_client()
+    r = await client.get("/dashboard")
+    assert r.status == 200
+    assert r.headers["Content-Type"] == "text/html; charset=utf-8"
+    assert r.headers["Content-Security-Policy"] == dashboard.CSP
+    assert "default-src 'none'" in dashboard.CSP and "'unsafe-inline'" not in dashboard.CSP
+    html = await r.text()
+    loaded = re.findall(r'(?:src|href)="/dashboard/([^"]+)"', html)
+    assert sorted(loaded) == ["dashboard.css", "dashboard.js", "uPlot.LICENSE"] + [
+        "uPlot.iife.min.js",
+        "uPlot.min.css",
+    ]
+    assert "<script>" not in html and "style=" not in html  # nothing inline for the CSP to block
+    types = {".js": "text/javascript", ".css": "text/css"}
+    for name in loaded:
+        r = await client.get(f"/dashboard/{name}")
+        assert r.status == 200, name
+        assert r.headers["Content-Type"].startswith(types.get(name[name.rfind(".") :], "text/"))
+        assert r.headers["X-Content-Type-Options"] == "nosniff"
+        assert r.headers["Content-Security-Policy"] == dashboard.CSP
+        assert await r.read() == dashboard.ASSETS[name].read_bytes()
+
+
+async def test_unknown_file_is_a_404_naming_the_files_and_paths_never_reach_the_disk(app_client):
+    client = await app_client()
+    r = await client.get("/dashboard/secrets.txt")
+    assert r.status == 404
+    error = (await r.json())["error"]
+    assert error["param"] == "asset"
+    assert "'secrets.txt'" in error["message"] and "dashboard.js" in error["message"]
+    # index.html is the page, not an asset; encoded dots and slashes stay inside one name.
+    for path in ("/dashboard/index.html", "/dashboard/..%2Fdashboard.py", "/dashboard/%2e%2e"):
+        assert (await client.get(path)).status == 404, path
+
+
+async def test_page_loads_without_a_key_but_its_data_and_the_passthrough_need_one(app_client):
+    client = await app_client(keyed=True)
+    assert (await client.get("/dashboard")).status == 200
+    assert (await client.get("/dashboard/dashboard.js")).status == 200
+    assert (await client.get("/v1/cache/stats")).status == 401
+    # Under /dashboard/ but not a dashboard route: the passthrough's, so a key is wanted.
+    assert (await client.get("/dashboard/a/b")).status == 401
+    keyed = {"Authorization": f"Bearer {KEY}"}
+    assert (await client.get("/v1/cache/stats", headers=keyed)).status == 200
+
+
+# ---------------------------------------------------------------------------------------
+# The page in Chromium
+
+
+@pytest.fixture(scope="module")
+def live(demo_root, tmp_path_factory) -> Iterator[Server]:
+    """A proxy of its own: the tests delete sessions and drive the hit ratio down."""
+    cache = fresh_cache_dir(demo_root, tmp_path_factory.mktemp("dashboard-cache"))
+    server = start_server(cache, "--upstream", "http://127.0.0.1:9")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser) -> Iterator[Page]:
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    pg = context.new_page()
+    # Everything the page or the CSP complained about (502s of routes the test did not
+    # expect are "Failed to load resource" lines; those are for the test to judge).
+    pg.problems = []
+    pg.on("pageerror", lambda e: pg.problems.append(f"page error: {e}"))
+    pg.on(
+        "console",
+        lambda m: pg.problems.append(m.text) if "Content Security Policy" in m.text else None,
+    )
+    yield pg
+    context.close()
+
+
+# Waits are polled from here, not with wait_for_function: that evaluates a string in the
+# page, which the page's own CSP (no 'unsafe-eval') rightly refuses.
+def until(check, what: str, page: Page) -> None:
+    for _ in range(WAIT_MS // 100):
+        if check():
+            return
+        page.wait_for_timeout(100)
+    raise AssertionError(f"gave up after {WAIT_MS} ms waiting for {what}")
+
+
+def polled(page: Page, at_least: int) -> None:
+    polls = lambda: int(page.get_attribute("body", "data-polls") or 0)  # noqa: E731
+    until(lambda: polls() >= at_least, f"poll {at_least}", page)
+
+
+def next_poll(page: Page) -> None:
+    polled(page, int(page.get_attribute("body", "data-polls") or 0) + 1)
+
+
+def text(page: Page, selector: str) -> str:
+    return page.inner_text(selector).strip()
+
+
+def chat(server: Server, content: str, session: str, system: str = "You are terse.") -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    client.chat.completions.create(
+        model="demo-llama",
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": content}],
+        max_tokens=1,
+        temperature=0,
+        extra_headers={"x-session-id": session},
+    )
+
+
+def api(server: Server, path: str) -> dict:
+    r = httpx.get(server.url + path, timeout=30)
+    assert r.status_code == 200, f"GET {path}: {r.status_code} {r.text[:300]}"
+    return r.json()
+
+
+@needs_browser
+def test_numbers_change_after_a_request(live, page):
+    page.goto(live.url + "/dashboard")
+    polled(page, 1)
+    before = api(live, "/v1/cache/stats")["requests"]["total"]
+    assert text(page, "#requests") == str(before)
+    prompt = "Tell me about prompt caches. " * 12
+    chat(live, prompt, "dash-numbers")
+    chat(live, prompt, "dash-numbers")
+    until(lambda: text(page, "#requests") == str(before + 2), "2 more requests", page)
+    stats = api(live, "/v1/cache/stats")
+    assert stats["requests"]["cached_tokens"] > 0
+    assert text(page, "#hit-ratio") == f"{stats['hit_ratio'] * 100:.0f}%"
+    assert text(page, "#hit-detail") == (
+        f"{stats['requests']['cached_tokens']:,} of {stats['requests']['prompt_tokens']:,} "
+        "prompt tokens from cache"
+    )
+    assert text(page, "#ram") != "0 B"
+    assert f"of {stats['ssd']['max_bytes'] / 1e9:.1f} GB max" in text(page, "#ssd-detail")
+    assert page.problems == []
+
+
+@needs_browser
+def test_page_asks_for_the_key_on_a_server_that_wants_one(demo_root, tmp_path, page):
+    server = start_server(
+        fresh_cache_dir(demo_root, tmp_path / "keyed"),
+        *("--host", "0.0.0.0", "--upstream", "http://127.0.0.1:9"),
+        env={"MLX_PROMPT_CACHE_TENANTS_API_KEYS": f"{KEY}=team"},
+    )
+    try:
+        page.goto(server.url + "/dashboard")
+        page.locator("#keyform").wait_for(state="visible", timeout=WAIT_MS)
+        assert text(page, "#keynote").startswith("This server wants an API key")
+        assert text(page, "#requests") == "–"
+        page.fill("#key", KEY)
+        page.click("#keyform button[type=submit]")
+        until(lambda: text(page, "#requests") == "0", "the stats", page)
+        assert text(page, "#keynote") == "Using the API key kept for this tab."
+        page.reload()  # sessionStorage keeps it for the tab, not beyond
+        until(lambda: text(page, "#requests") == "0", "the stats", page)
+        page.click("#forget")
+        until(lambda: text(page, "#keynote").startswith("This server wants"), "refusal", page)
+        assert page.problems == []
+    finally:
+        server.stop()
