@@ -28,6 +28,8 @@ from .prompt import (
 from .prompt_cache import CachePolicy, ModelCache
 from .runner import Event, Job, Runner
 from .scheduler import Scheduler, SchedulerSettings
+from .session_admin import SessionAdmin
+from .sessions import SessionCache
 from .stream import GenerationStream
 from .types import (
     EngineError,
@@ -69,6 +71,10 @@ class EngineSettings:
     ssd_write_through: bool = True
     # How long shutdown waits for queued SSD writes.
     ssd_drain_s: float = 10.0
+    # Client sessions (/v1/cache/sessions): idle ones expire after this many seconds
+    # (None: never); pinned ones hold at most this much RAM (None: a quarter of the budget).
+    session_ttl_s: float | None = None
+    pin_max_bytes: int | None = None
     cache_policy: CachePolicy = field(default_factory=CachePolicy)
     # The scheduler: how many sequences of one model decode together, how many requests
     # may wait beyond those (more answer 429), how many prompt tokens one step prefills,
@@ -200,6 +206,14 @@ class Engine:
             kv.HostCodec(),
             write_through=settings.ssd_write_through,
         )
+        self.sessions = SessionCache(
+            self.tiers,
+            pin_max_bytes=settings.pin_max_bytes or settings.ram_budget_bytes // 4,
+            ttl_s=settings.session_ttl_s,
+            # Kept across restarts with the SSD tier it describes.
+            store_dir=settings.cache_dir if ssd is not None else None,
+        )
+        self.session_admin = SessionAdmin(self.sessions, self._on_mlx, self._entries)
         specs = list(settings.model_specs)
         if settings.serve_all_mlx:
             specs += [
@@ -265,7 +279,11 @@ class Engine:
         return unloaded
 
     async def janitor(self) -> None:
-        """Background upkeep while serving: the memory guard, and idle unloading."""
+        """Background upkeep while serving: memory, idle models, idle sessions."""
+        await asyncio.gather(self._memory_janitor(), self.session_admin.upkeep())
+
+    async def _memory_janitor(self) -> None:
+        """The memory guard, and idle unloading."""
         idle = self.settings.idle_unload_s
         guard = self.settings.ram_min_available_bytes is not None and self.settings.cache_enabled
         if not idle and not guard:
@@ -322,7 +340,7 @@ class Engine:
         if not self.settings.cache_enabled:
             return None
         try:
-            cache = ModelCache(loaded, self.tiers, self.settings.cache_policy)
+            cache = ModelCache(loaded, self.tiers, self.settings.cache_policy, self.sessions)
         except kv.UnsupportedCacheError as e:
             log.warning("prompt cache off for %s: %s", loaded.id, e)
             return None
@@ -458,3 +476,4 @@ class Engine:
         await asyncio.to_thread(self.scheduler.close)
         # Drain queued writes (bounded), so a clean shutdown loses nothing computed.
         await asyncio.to_thread(self.tiers.close, self.settings.ssd_drain_s)
+        await asyncio.to_thread(self.sessions.close)

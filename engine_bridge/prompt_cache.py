@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -17,10 +17,14 @@ from . import kv
 from .cache.hashing import Chain, ExtraKeys
 from .cache.index import Scope
 from .cache.kinds import Reason, SavePoint
+from .cache.sessions import SessionKey
 from .cache.tiers import Hit, TieredCache
 from .jobs import Job
 from .models import LoadedModel
 from .types import CacheSource
+
+if TYPE_CHECKING:
+    from .sessions import SessionCache
 
 log = logging.getLogger("engine_bridge.prompt_cache")
 
@@ -39,10 +43,17 @@ class CachePolicy:
 class ModelCache:
     """The prompt cache of one loaded model, over the process-wide tiers."""
 
-    def __init__(self, loaded: LoadedModel, tiers: TieredCache, policy: CachePolicy):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        tiers: TieredCache,
+        policy: CachePolicy,
+        sessions: SessionCache | None = None,
+    ):
         self.loaded = loaded
         self.tiers = tiers
         self.policy = policy
+        self.sessions = sessions  # told what each client session stored and used
         self.layout = kv.layout(make_prompt_cache(loaded.model))
         self.needs_checkpoint = self.layout.has_snapshots
 
@@ -70,6 +81,12 @@ class CacheSession:
         self.chain = Chain(job.prompt.tokens, self.bs, owner.extra_keys(tenant))
         self.scope = Scope.of(owner.loaded.fingerprint, tenant)
         self._stored_blocks = 0  # blocks [0, n) are known to be in the RAM tier
+        session = job.request.session
+        self.session_key = (
+            SessionKey(tenant, owner.loaded.id, session)
+            if session and owner.sessions is not None
+            else None
+        )
 
     # -- restore ---------------------------------------------------------------------------
 
@@ -82,6 +99,8 @@ class CacheSession:
         # Pinned, so nothing is evicted before the copy below is taken.
         match = self.tiers.pin(hit, promoted=promoted)
         self._log_divergence(hit, match.length)
+        ckpt_used = match.checkpoint
+        self._note(match.length // self.bs, ckpt_used and (ckpt_used.key, ckpt_used.position))
         if match.length == 0:
             return make_prompt_cache(model), 0, "none"
         try:
@@ -129,9 +148,19 @@ class CacheSession:
             self.chain.extend(tokens[len(self.chain) :])
         self._store_blocks(cache, position)
         reason = self._checkpoint_reason(position, point)
+        stored = None
         if reason is not None:
             payload = kv.extract_checkpoint(cache, position, self.bs)
             self.tiers.store_checkpoint(self.chain, self.scope, position, payload, reason)
+            stored = (self.chain.checkpoint_key(position), position)
+        self._note(position // self.bs, stored)
+
+    def _note(self, blocks: int, checkpoint: tuple[bytes, int] | None) -> None:
+        """Tell the session registry this request's session stored or used these entries."""
+        if self.session_key is not None:
+            self.owner.sessions.note(
+                self.session_key, self.scope, self.bs, self.chain.hashes[:blocks], checkpoint
+            )
 
     def _store_blocks(self, cache: list[Any], position: int) -> None:
         full = position // self.bs

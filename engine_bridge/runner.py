@@ -85,6 +85,8 @@ class Runner:
         self.bytes_per_token = 0.0
         self.last_used = time.monotonic()
         self.active_jobs = 0  # submitted and not yet finished (the idle janitor's test)
+        # Those jobs by id: a session delete waits for its session's to end.
+        self.live_jobs: dict[int, Job] = {}
 
     # -- the event-loop side ---------------------------------------------------------------
 
@@ -104,6 +106,7 @@ class Runner:
 
         self.scheduler.submit(self, Pending(job, emit))  # may raise EngineError (429)
         self.active_jobs += 1
+        self.live_jobs[id(job)] = job
         try:
             while True:
                 event = await queue.get()
@@ -120,6 +123,7 @@ class Runner:
                 await asyncio.shield(done)
             finally:
                 self.active_jobs -= 1
+                self.live_jobs.pop(id(job), None)
                 self.last_used = time.monotonic()
 
     # -- the MLX-thread side ---------------------------------------------------------------

@@ -42,6 +42,7 @@ from proxy.units import parse_size as parse_size
 from proxy.units import resolve_kv_memory as resolve_kv_memory
 from proxy.units import resolve_min_available as resolve_min_available
 from proxy.units import resolve_ram_budget as resolve_ram_budget
+from proxy.units import resolve_share_of_ram as resolve_share_of_ram
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,11 @@ class SsdCacheConfig:
 class CacheConfig:
     enabled: bool = True
     block_size: int = 64
+    # Client sessions idle this long ("12h", "90m", seconds) lose their own cached entries
+    # from RAM and SSD (what they share with others stays); None: never.
+    session_ttl: str | float | None = None
+    # RAM pinned sessions may hold against eviction: a share of the RAM budget or a size.
+    pin_max: str | int = "25%"
     ram: RamCacheConfig = field(default_factory=RamCacheConfig)
     ssd: SsdCacheConfig = field(default_factory=SsdCacheConfig)
 
@@ -376,6 +382,9 @@ def _validate(config: Config, origins: Origins) -> None:
     if e.kv_memory is not None:
         parses("engine.kv_memory", lambda v: resolve_kv_memory(v, 1 << 30), e.kv_memory)
     check("cache.block_size", c.block_size > 0, "must be positive")
+    if c.session_ttl is not None:
+        parses("cache.session_ttl", parse_duration, c.session_ttl)
+    parses("cache.pin_max", lambda v: resolve_share_of_ram(v, 1 << 30, "pin_max"), c.pin_max)
     parses("cache.ram.budget", lambda v: resolve_ram_budget(v, 0), c.ram.budget)
     if c.ram.min_available != "off":
         parses(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from engine_bridge.stream import GenerationStream
 from engine_bridge.types import (
     GenerationRequest,
     GenerationResult,
+    Message,
     PromptInfo,
     TokenEvent,
 )
@@ -83,16 +85,40 @@ def request_options(request: web.Request) -> tuple[str, bool]:
     return tenant, not bypass and settings.cache_enabled
 
 
-# Who is asking, for the engine's fair scheduling; the body's own id comes after these.
+# Who is asking, for fair scheduling and the sessions of /v1/cache/sessions; the body's
+# own id comes after these.
 SESSION_HEADERS = ("X-Claude-Code-Session-Id", "x-session-id")
+# Longer ids are kept as a hash: the registry and its listing stay small whatever a client
+# sends (ids are data only, never part of a file path).
+SESSION_ID_MAX = 256
 
 
 def session_id(request: web.Request, from_body: str | None) -> str:
-    """The client's session: a session header, else the dialect's user field, else ""."""
+    """The client's session: a session header, else the dialect's user field, else ""
+    (`start` then names the session after the conversation's first user message)."""
     for name in SESSION_HEADERS:
         if value := request.headers.get(name, "").strip():
-            return value
-    return from_body or ""
+            return bounded_id(value)
+    return bounded_id(from_body or "")
+
+
+def bounded_id(value: str) -> str:
+    """The id as sent, or a hash of it when it is too long, or only dots ("." and ".."
+    are path segments that clients resolve away: DELETE /v1/cache/sessions/.. would reach
+    DELETE /v1/cache)."""
+    if len(value) <= SESSION_ID_MAX and (not value or value.strip(".")):
+        return value
+    return "id-" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def conversation_id(messages: list[Message] | None) -> str:
+    """The session of a client that names none: 'h-' and 16 hex digits of the SHA-256 of
+    the first user message, the same on every turn of the conversation ("" without one)."""
+    for m in messages or ():
+        if m.role == "user":
+            digest = hashlib.sha256(m.content.encode("utf-8", "surrogatepass")).hexdigest()
+            return "h-" + digest[:16]
+    return ""
 
 
 def _api_key(request: web.Request) -> str | None:
@@ -107,6 +133,8 @@ async def start(
 ) -> Generation:
     """Validate and queue the request; returns once the cache lookup is done."""
     req.request_id = request.get(REQUEST_ID, "")
+    if not req.session:
+        req.session = conversation_id(req.messages)
     # EngineError (a 4xx, or 429 when the queue is full) and GenerationFailed propagate:
     # the app's middleware maps every error to the dialect's shape in one place.
     stream = await engine.start(req)

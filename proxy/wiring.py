@@ -18,6 +18,7 @@ from .config import (
     resolve_kv_memory,
     resolve_min_available,
     resolve_ram_budget,
+    resolve_share_of_ram,
 )
 from .state import ProxySettings
 
@@ -66,6 +67,10 @@ def engine_settings(config: Config) -> EngineSettings:
         ssd_ttl_s=parse_duration(cache.ssd.ttl) if cache.ssd.ttl is not None else None,
         ssd_queue_size=cache.ssd.queue_size,
         ssd_write_through=cache.ssd.write_through,
+        session_ttl_s=None if cache.session_ttl is None else parse_duration(cache.session_ttl),
+        pin_max_bytes=resolve_share_of_ram(
+            cache.pin_max, resolve_ram_budget(cache.ram.budget, ram.available), "pin_max"
+        ),
     )
 
 

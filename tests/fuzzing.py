@@ -38,6 +38,8 @@ class Tally:
     server_errors: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     accepted_invalid: Counter[str] = field(default_factory=Counter)
+    # A few accepted negative cases per route, as curl lines, to judge the proxy or the doc.
+    accepted_examples: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -65,6 +67,8 @@ class Tally:
                 "  negative cases answered 2xx (the proxy is laxer than the document): "
                 + ", ".join(f"{r} {n}" for r, n in sorted(self.accepted_invalid.items()))
             )
+            for route, examples in sorted(self.accepted_examples.items()):
+                lines += [f"    {route}: {e}" for e in examples]
         return "\n".join(lines)
 
 
@@ -148,6 +152,9 @@ def run(base_url: str, cases: int = DEFAULT_CASES, seed: int = DEFAULT_SEED) -> 
             tally.server_errors.append(f"{route} {status}: {case.as_curl_command()}")
         if mode == GenerationMode.NEGATIVE and status < 300:
             tally.accepted_invalid[route] += 1
+            examples = tally.accepted_examples.setdefault(route, [])
+            if len(examples) < 3:
+                examples.append(case.as_curl_command()[:400])
         try:
             case.validate_response(response, checks=all_checks)
         except BaseExceptionGroup as e:  # schemathesis' FailureGroup: one per failed check

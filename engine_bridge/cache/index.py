@@ -187,6 +187,19 @@ class Index:
                 found.update(row[0] for row in cur)
         return found
 
+    def select(self, scope: Scope, kind: str, keys: Sequence[bytes]) -> list[EntryRow]:
+        """The rows of those keys that exist, in no particular order."""
+        out: list[EntryRow] = []
+        for i in range(0, len(keys), _IN_CHUNK):
+            chunk = list(keys[i : i + _IN_CHUNK])
+            marks = ",".join("?" * len(chunk))
+            out += self._rows(
+                f"SELECT {_COLUMNS} FROM entries WHERE model=? AND tenant=? AND kind=? "
+                f"AND key IN ({marks})",
+                (scope.model, scope.tenant, kind, *chunk),
+            )
+        return out
+
     def size_of(self, scope: Scope, kind: str, key: bytes) -> int | None:
         with self._lock:
             row = self._conn.execute(

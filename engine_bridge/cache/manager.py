@@ -282,6 +282,41 @@ class CacheManager:
                 with self._lock:
                     self._spill_errors += 1
 
+    # ---- sessions (engine_bridge/sessions.py) -------------------------------------------
+
+    def hold(self, ids: Sequence[tuple[EntryKind, BlockHash]]) -> list[Entry]:
+        """Reference the entries of `ids` RAM holds now, so eviction skips them (a pinned
+        session); hand them back with `unhold`."""
+        held = []
+        with self._lock:
+            for kind, key in ids:
+                store = self._pool if kind is EntryKind.BLOCK else self._checkpoints
+                entry = store.get(key)
+                if entry is not None:
+                    store.acquire(entry)
+                    held.append(entry)
+        return held
+
+    def unhold(self, entries: Sequence[Entry]) -> None:
+        with self._lock:
+            for entry in entries:
+                (self._pool if entry.kind is EntryKind.BLOCK else self._checkpoints).release(entry)
+            evicted = self._evict_to_budget()
+        self._spill(evicted)
+
+    def discard(self, ids: Sequence[tuple[EntryKind, BlockHash]]) -> tuple[int, int]:
+        """Drop the unreferenced entries of `ids` without spilling them (a deleted session);
+        returns (entries, bytes) dropped. Entries a running request holds stay."""
+        n = nbytes = 0
+        with self._lock:
+            for kind, key in ids:
+                entry = (self._pool if kind is EntryKind.BLOCK else self._checkpoints).get(key)
+                if entry is not None and entry.ref_cnt == 0:
+                    self._forget(entry)
+                    n += 1
+                    nbytes += entry.nbytes
+        return n, nbytes
+
     # ---- accounting ---------------------------------------------------------------------
 
     def stats(self) -> CacheStats:

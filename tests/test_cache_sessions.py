@@ -1,0 +1,423 @@
+"""Client sessions over a real server: list, delete, pin, idle expiry, clear, tenants.
+
+Each test drives a real proxy subprocess with the SDKs and checks the cache's own figures
+(hit tokens, source, the sessions listing) against what the operation must have done, and
+every cached answer against the bypass answer.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import fresh_cache_dir, start_server
+
+BS = 64  # the demo models' block size
+SYSTEM = "You are a careful assistant for a cache test. Answer briefly. " * 24
+SESSIONS = "/v1/cache/sessions"
+
+
+def _client(server, key: str = "test") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def chat(
+    server,
+    user: str,
+    *,
+    session: str | None = None,
+    model: str = "demo-llama",
+    system: str = SYSTEM,
+    history: list[dict] | None = None,
+    key: str = "test",
+    headers: dict | None = None,
+    bypass: bool = False,
+    max_tokens: int = 6,
+) -> tuple[str, int, str]:
+    """(answer, hit tokens, source) of one greedy turn."""
+    extra = dict(headers or {})
+    if session is not None:
+        extra["x-session-id"] = session
+    if bypass:
+        extra["x-prompt-cache"] = "bypass"
+    messages = [{"role": "system", "content": system}, *(history or [])]
+    messages.append({"role": "user", "content": user})
+    raw = _client(server, key).chat.completions.with_raw_response.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, extra_headers=extra
+    )
+    text = raw.parse().choices[0].message.content or ""
+    return text, int(raw.headers["x-prompt-cache-hit-tokens"]), raw.headers["x-prompt-cache-source"]
+
+
+def sessions(server, **params) -> dict[str, dict]:
+    r = httpx.get(server.url + SESSIONS, params=params, headers=params.pop("headers", None))
+    assert r.status_code == 200, r.text
+    listed = r.json()["sessions"]
+    used = [s["last_used"] for s in listed]
+    assert used == sorted(used, reverse=True), "most recently used first"
+    return {s["id"]: s for s in listed}
+
+
+def stats(server) -> dict:
+    return httpx.get(server.url + "/v1/cache/stats").json()
+
+
+def wait_ssd_idle(server, timeout: float = 10.0) -> None:
+    """Until the SSD writer has written everything queued (listing counts what is on disk)."""
+    deadline = time.monotonic() + timeout
+    while stats(server)["ssd"]["queued"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.1)  # the entry being written when the queue emptied
+
+
+def sid_url(server, sid: str, tail: str = "") -> str:
+    return server.url + SESSIONS + "/" + quote(sid, safe="") + tail
+
+
+def write_config(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def main_server(demo_root, tmp_path_factory):
+    cache = fresh_cache_dir(demo_root, tmp_path_factory.mktemp("sessions-main"))
+    s = start_server(cache, "--upstream", "http://127.0.0.1:9")
+    yield s
+    s.stop()
+
+
+# ---- listing and deleting ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["demo-llama", "demo-hybrid"])
+def test_deleting_one_of_two_sessions_sharing_a_prompt_keeps_the_others_hit(main_server, model):
+    s = main_server
+    a, b = f"alpha-{model}", f"beta-{model}"
+    a1 = chat(s, "Tell me about apples and their orchards. " * 4, session=a, model=model)
+    b_user = "Tell me about pears, please, in some detail. " * 4
+    b1 = chat(s, b_user, session=b, model=model)
+    assert a1[1] == 0 and b1[1] > 0, "B's first turn hits the system prompt A stored"
+    shared_hit = b1[1]
+    wait_ssd_idle(s)
+    before = sessions(s)
+    ra, rb = before[a], before[b]
+    for r in (ra, rb):
+        assert r["tenant"] == "local" and r["model"] == model and not r["pinned"]
+        assert r["tokens"] > 0 and r["tokens"] % BS == 0
+        assert r["ram_bytes"] > 0 and r["ssd_bytes"] > 0
+    # The same entries are shared from either side; the system prompt is most of it.
+    assert ra["shared_bytes"] == rb["shared_bytes"] > 0
+    assert rb["tokens"] >= shared_hit // BS * BS
+    print(f"\n{model}: A {ra}\n{model}: B {rb}")
+
+    r = httpx.delete(sid_url(s, a))
+    assert r.status_code == 200, r.text
+    assert r.json() == {"id": a, "deleted": True, "freed_bytes": ra["ram_bytes"] + ra["ssd_bytes"]}
+    after = sessions(s)
+    assert a not in after
+    assert after[b]["shared_bytes"] == 0, "nothing is shared once A is gone"
+    assert after[b]["ram_bytes"] + after[b]["ssd_bytes"] >= rb["ram_bytes"] + rb["ssd_bytes"]
+
+    # B's next turn still resumes past the shared prefix, with the uncached answer.
+    history = [{"role": "user", "content": b_user}, {"role": "assistant", "content": b1[0]}]
+    b2 = chat(s, "And plums?", session=b, model=model, history=history)
+    assert b2[1] > shared_hit and b2[2] == "ram"
+    assert b2[0] == chat(s, "And plums?", model=model, history=history, bypass=True)[0]
+    # A starts over from the shared part only: what was its own is gone from RAM and SSD.
+    a2 = chat(s, "Tell me about apples and their orchards. " * 4, session=a, model=model)
+    assert a2[1] == shared_hit
+    assert a2[0] == a1[0]
+
+
+def test_a_delete_during_a_stream_waits_for_the_stream_to_end(main_server):
+    s = main_server
+    sid = "streaming-session"
+    chat(s, "Warm this session up first. " * 3, session=sid)
+    events: list[str] = []
+    times: dict[str, float] = {}
+    deleted: dict = {}
+
+    def delete() -> None:
+        r = httpx.delete(sid_url(s, sid), timeout=60)
+        times["deleted"] = time.monotonic()
+        deleted.update(status=r.status_code, body=r.json())
+
+    stream = _client(s).chat.completions.create(
+        model="demo-llama",
+        messages=[
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Warm this session up first. " * 3},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "Now write at length."},
+        ],
+        max_tokens=300,
+        temperature=0,
+        stream=True,
+        extra_headers={"x-session-id": sid},
+    )
+    worker = None
+    finish = None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            events.append(chunk.choices[0].delta.content)
+            if worker is None:
+                worker = threading.Thread(target=delete)
+                worker.start()
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    times["stream_end"] = time.monotonic()
+    worker.join(60)
+    assert finish == "length", "the stream ran to its end, not cut by the delete"
+    assert deleted["status"] == 200 and deleted["body"]["deleted"] is True
+    assert deleted["body"]["freed_bytes"] > 0
+    assert times["deleted"] >= times["stream_end"] - 0.25
+    # Deleted after the end-of-generation save: that save did not bring the session back.
+    assert sid not in sessions(s)
+
+
+def test_unknown_ids_and_models_are_404_in_the_openai_shape(main_server):
+    s = main_server
+    for method, tail in (("DELETE", ""), ("POST", "/pin"), ("POST", "/unpin")):
+        r = httpx.request(method, sid_url(s, "no-such-session", tail))
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert err["param"] == "id" and "no-such-session" in err["message"]
+    r = httpx.delete(s.url + "/v1/cache", params={"model": "no-such-model"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_state_changing_session_routes_pass_the_browser_checks(main_server):
+    s = main_server
+    sid = "guarded-session"
+    chat(s, "Guard this one. " * 5, session=sid)
+    url = sid_url(s, sid)
+    r = httpx.delete(url, headers={"Origin": "http://evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+    r = httpx.delete(url, headers={"Host": "evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
+    r = httpx.post(url + "/pin", content=b"x", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415
+    r = httpx.delete(s.url + "/v1/cache", headers={"Origin": "http://evil.example"})
+    assert r.status_code == 403
+    assert sid in sessions(s) and not sessions(s)[sid]["pinned"], "the refusals changed nothing"
+    # A page of this server itself may.
+    r = httpx.post(url + "/pin", headers={"Origin": s.url})
+    assert r.status_code == 200 and r.json() == {"id": sid, "pinned": True}
+    assert sessions(s)[sid]["pinned"]
+    r = httpx.post(url + "/unpin")
+    assert r.status_code == 200 and r.json() == {"id": sid, "pinned": False}
+
+
+HOSTILE = ["../x", "a\x00b", "é✓🙂 /x?y#z%", "x" * 10_000, "..", "a/../../b", "."]
+
+
+def test_hostile_session_and_tenant_ids_stay_data(main_server):
+    s = main_server
+    ids = []
+    for i, hostile in enumerate(HOSTILE):
+        # The body's `user` field carries any string (a header could not hold a NUL).
+        raw = _client(s).chat.completions.with_raw_response.create(
+            model="demo-llama",
+            messages=[{"role": "user", "content": f"hostile id number {i} " * 12}],
+            max_tokens=2,
+            user=hostile,
+            extra_headers={"x-tenant": "../../evil" if i % 2 else "ten/ant\\.. :x"},
+        )
+        assert raw.http_response.status_code == 200
+        ids.append(hostile)
+    listed = sessions(s)
+    for hostile in ids:
+        if len(hostile) <= 256 and hostile.strip("."):
+            assert hostile in listed
+    # Too long, or only dots (a path segment clients resolve away): kept as a hash.
+    hashed = [i for i in listed if re.fullmatch(r"id-[0-9a-f]{32}", i)]
+    assert len(hashed) == 3
+    wait_ssd_idle(s)
+    for sid in [i for i in listed if listed[i]["tenant"] != "local"]:
+        tenant = listed[sid]["tenant"]
+        r = httpx.post(sid_url(s, sid, "/pin"), params={"tenant": tenant})
+        assert r.status_code == 200 and r.json()["id"] == sid
+        r = httpx.delete(sid_url(s, sid), params={"tenant": tenant})
+        assert r.status_code == 200 and r.json()["id"] == sid, r.text
+    # Nothing outside the layout: tenant folders are safe names or hashes.
+    root = s.cache_dir
+    assert not (root.parent / "evil").exists() and not (root / "evil").exists()
+    for tenant_dir in (p for m in root.iterdir() if (m / "local").is_dir() for p in m.iterdir()):
+        assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", tenant_dir.name), tenant_dir
+        assert tenant_dir.resolve().parent.parent == root.resolve()
+
+
+# ---- clearing ----------------------------------------------------------------------------
+
+
+def test_clear_by_model_then_tenant_then_everything(demo_root, tmp_path):
+    s = start_server(fresh_cache_dir(demo_root, tmp_path / "c"), "--upstream", "http://127.0.0.1:9")
+    try:
+        chat(s, "llama question " * 10, session="l")
+        chat(s, "hybrid question " * 10, session="h", model="demo-hybrid")
+        chat(s, "other tenant question " * 10, session="o", headers={"x-tenant": "other"})
+        wait_ssd_idle(s)
+        r = httpx.delete(s.url + "/v1/cache", params={"model": "demo-hybrid"})
+        assert r.status_code == 200 and r.json()["deleted_entries"] > 0
+        assert set(sessions(s)) == {"l", "o"}
+        assert chat(s, "hybrid question " * 10, model="demo-hybrid")[1] == 0
+        r = httpx.delete(s.url + "/v1/cache", params={"tenant": "other"})
+        assert r.status_code == 200 and r.json()["deleted_entries"] > 0
+        assert "o" not in sessions(s)
+        assert chat(s, "other tenant question " * 10, headers={"x-tenant": "other"})[1] == 0
+        assert chat(s, "llama question " * 10, session="l")[2] == "ram", "untouched"
+        wait_ssd_idle(s)
+        r = httpx.delete(s.url + "/v1/cache")
+        body = r.json()
+        assert r.status_code == 200 and body["deleted_entries"] > 0 and body["freed_bytes"] > 0
+        st = stats(s)
+        assert st["ram"]["blocks"] == st["ram"]["checkpoints"] == 0
+        assert st["ssd"]["entries"] == 0 and sessions(s) == {}
+    finally:
+        s.stop()
+
+
+# ---- pinning -----------------------------------------------------------------------------
+
+
+def test_a_pinned_session_stays_in_ram_through_a_squeeze_and_the_cap_holds(demo_root, tmp_path):
+    # ~12 blocks of RAM; a session here is ~5 blocks; pinned sessions may hold 250 KB.
+    config = write_config(tmp_path / "c.toml", '[cache]\npin_max = "250KB"\n')
+    cache = fresh_cache_dir(demo_root, tmp_path / "c")
+    s = start_server(
+        cache, "--upstream", "http://127.0.0.1:9", "--ram-budget", "400KB", "--config", str(config)
+    )
+    try:
+        pinned_user, control_user = "pinned conversation " * 10, "control conversation " * 10
+        p1 = chat(s, pinned_user, session="pinned", system="Pinned system. " * 30)
+        r = httpx.post(sid_url(s, "pinned", "/pin"))
+        assert r.status_code == 200 and r.json() == {"id": "pinned", "pinned": True}
+        c1 = chat(s, control_user, session="control", system="Control system. " * 30)
+        r = httpx.post(sid_url(s, "control", "/pin"))
+        assert r.status_code == 409, r.text
+        message = r.json()["error"]["message"]
+        assert "pin_max" in message and "250000" in message
+        assert not sessions(s)["control"]["pinned"]
+        for i in range(4):  # fill RAM several times over with other sessions
+            chat(s, f"filler {i} " * 40, session=f"filler-{i}", system=f"Filler {i}. " * 30)
+        st = stats(s)["ram"]
+        assert st["evicted_blocks"] > 0 and st["pinned_bytes"] > 0
+        assert st["bytes"] <= st["budget_bytes"]
+        p2 = chat(s, pinned_user, session="pinned", system="Pinned system. " * 30)
+        c2 = chat(s, control_user, session="control", system="Control system. " * 30)
+        assert p2[2] == "ram" and p2[1] > 0, "the pinned session was not evicted"
+        assert c2[2] == "ssd", "the unpinned one was, and came back from SSD"
+        assert (p2[0], c2[0]) == (p1[0], c1[0])
+        r = httpx.post(sid_url(s, "pinned", "/unpin"))
+        assert r.json() == {"id": "pinned", "pinned": False}
+        assert stats(s)["ram"]["pinned_bytes"] == 0
+    finally:
+        s.stop()
+
+
+# ---- idle expiry -------------------------------------------------------------------------
+
+
+def test_idle_sessions_expire_from_both_tiers_and_pinned_ones_stay(demo_root, tmp_path):
+    config = write_config(tmp_path / "c.toml", '[cache]\nsession_ttl = "1s"\n')
+    cache = fresh_cache_dir(demo_root, tmp_path / "c")
+    s = start_server(cache, "--upstream", "http://127.0.0.1:9", "--config", str(config))
+    try:
+        chat(s, "keep me " * 10, session="keep", system="Keep system. " * 20)
+        assert httpx.post(sid_url(s, "keep", "/pin")).status_code == 200
+        chat(s, "expire me " * 10, session="idle", system="Idle system. " * 20)
+        wait_ssd_idle(s)
+        kept_entries = None
+        deadline = time.monotonic() + 10
+        while "idle" in sessions(s) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        listed = sessions(s)
+        assert "idle" not in listed and "keep" in listed
+        kept_entries = stats(s)["ssd"]["entries"]
+        assert kept_entries > 0, "the pinned session's entries are still on disk"
+        assert listed["keep"]["ssd_bytes"] > 0
+        again = chat(s, "expire me " * 10, session="idle2", system="Idle system. " * 20)
+        # Gone from RAM and SSD: at most the first few template tokens match inside the
+        # pinned session's first block.
+        assert again[1] < BS and again[2] != "ssd", again
+    finally:
+        s.stop()
+
+
+# ---- tenants -----------------------------------------------------------------------------
+
+
+def test_a_tenant_sees_and_deletes_only_its_own_sessions(demo_root, tmp_path):
+    config = write_config(
+        tmp_path / "c.toml", '[tenants]\napi_keys = { "key-a" = "alpha", "key-b" = "beta" }\n'
+    )
+    cache = fresh_cache_dir(demo_root, tmp_path / "c")
+    s = start_server(cache, "--upstream", "http://127.0.0.1:9", "--config", str(config))
+    a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+    try:
+        a1 = chat(s, "alpha asks " * 10, session="same-id", key="key-a")
+        chat(s, "beta asks " * 10, session="same-id", key="key-b")
+        chat(s, "alpha only " * 10, session="alpha-only", key="key-a")
+        seen_a = httpx.get(s.url + SESSIONS, headers=a).json()["sessions"]
+        seen_b = httpx.get(s.url + SESSIONS, headers=b).json()["sessions"]
+        assert {(x["id"], x["tenant"]) for x in seen_a} == {
+            ("same-id", "alpha"),
+            ("alpha-only", "alpha"),
+        }
+        assert {(x["id"], x["tenant"]) for x in seen_b} == {("same-id", "beta")}
+        for method, tail in (("DELETE", ""), ("POST", "/pin"), ("POST", "/unpin")):
+            r = httpx.request(method, sid_url(s, "alpha-only", tail), headers=b)
+            assert r.status_code == 404, r.text
+        r = httpx.get(s.url + SESSIONS, params={"tenant": "alpha"}, headers=b)
+        assert r.status_code == 403
+        r = httpx.delete(s.url + "/v1/cache", params={"tenant": "alpha"}, headers=b)
+        assert r.status_code == 403
+        # B deletes its own "same-id": alpha's session of the same id is untouched.
+        r = httpx.delete(sid_url(s, "same-id"), headers=b)
+        assert r.status_code == 200
+        assert httpx.get(s.url + SESSIONS, headers=b).json()["sessions"] == []
+        r = httpx.delete(s.url + "/v1/cache", headers=b)
+        assert r.status_code == 200
+        assert len(httpx.get(s.url + SESSIONS, headers=a).json()["sessions"]) == 2
+        again = chat(s, "alpha asks " * 10, session="same-id", key="key-a")
+        assert again[2] == "ram" and again[1] > 0 and again[0] == a1[0]
+    finally:
+        s.stop()
+
+
+# ---- restarts ----------------------------------------------------------------------------
+
+
+def test_after_a_restart_deleting_a_session_keeps_what_another_shares(demo_root, tmp_path):
+    cache = fresh_cache_dir(demo_root, tmp_path / "c")
+    s = start_server(cache, "--upstream", "http://127.0.0.1:9")
+    a_user, b_user = "restart apples " * 10, "restart pears " * 10
+    try:
+        a1 = chat(s, a_user, session="a")
+        b1 = chat(s, b_user, session="b")
+        shared_hit = b1[1]
+        assert shared_hit > 0
+    finally:
+        s.stop()  # a clean stop drains the SSD queue and saves the registry
+    s = start_server(cache, "--upstream", "http://127.0.0.1:9")
+    try:
+        listed = sessions(s)
+        assert set(listed) == {"a", "b"}, "the registry came back from disk"
+        assert listed["a"]["ram_bytes"] == 0 and listed["a"]["ssd_bytes"] > 0
+        assert listed["a"]["shared_bytes"] > 0
+        assert httpx.delete(sid_url(s, "a")).status_code == 200
+        b2 = chat(s, b_user, session="b")
+        assert b2[2] == "ssd" and b2[1] > shared_hit, "B's whole prompt, shared part included"
+        assert b2[0] == b1[0]
+        a2 = chat(s, a_user, session="a")
+        assert a2[1] == shared_hit and a2[0] == a1[0]
+    finally:
+        s.stop()
