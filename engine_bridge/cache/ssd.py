@@ -87,6 +87,7 @@ class SSDStats:
     queued: int = 0
     writes: int = 0
     bytes_written: int = 0
+    bytes_read: int = 0  # payload bytes read back by hits (promotions)
     spills: int = 0
     write_throughs: int = 0
     dedup_skips: int = 0
@@ -126,7 +127,9 @@ class _Counters:
 _COUNTER_NAMES = tuple(
     f.name
     for f in fields(SSDStats)
-    if f.type == "int" and f.name not in ("entries", "bytes", "max_bytes", "queued", "folder_losses", "resumes")
+    if f.type == "int"
+    and f.name
+    not in ("entries", "bytes", "max_bytes", "bytes_read", "queued", "folder_losses", "resumes")
 )
 
 
@@ -272,6 +275,7 @@ class SSDStore:
                 **{**c.values, "queued": self._writer.pending},
                 folder_losses=self._watch.losses,
                 resumes=self._watch.resumes,
+                bytes_read=c.read_bytes,
                 reload_ms_mean=sum(lat) / len(lat) if lat else 0.0,
                 reload_ms_p95=lat[math.ceil(0.95 * len(lat)) - 1] if lat else 0.0,
                 reload_bytes_per_s=c.read_bytes / c.read_seconds if c.read_seconds else 0.0,
