@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import psutil
 
-from . import discovery, kv, models
+from . import discovery, heap, kv, models
 from .cache.manager import CacheManager
 from .cache.ssd import SSDConfig, SSDStore
 from .cache.tiers import TieredCache
@@ -41,6 +41,18 @@ from .types import (
 )
 
 log = logging.getLogger("engine_bridge.engine")
+
+# How often the memory guard also hands freed heap back to the system (see heap.py).
+HEAP_TRIM_S = 30.0
+
+
+def _mlx_memory() -> dict[str, int]:
+    """MLX's own allocator: arrays alive, freed buffers it keeps for reuse, and the peak."""
+    return {
+        "mlx_active_bytes": mx.get_active_memory(),
+        "mlx_cache_bytes": mx.get_cache_memory(),
+        "mlx_peak_bytes": mx.get_peak_memory(),
+    }
 
 
 def _release_memory() -> None:
@@ -290,13 +302,16 @@ class Engine:
             return
         idle_period = max(1.0, min(30.0, idle / 4)) if idle else 0.0
         period = self.settings.memory_check_s if guard else idle_period
-        last_idle_check = time.monotonic()
+        last_idle_check = last_trim = time.monotonic()
         while True:
             await asyncio.sleep(period)
             if guard:
                 # On the MLX thread: a shrink evicts, and a spill turns arrays into bytes,
                 # which MLX only does on the thread that owns their stream.
                 await self._on_mlx(self.guard_memory)
+                if time.monotonic() - last_trim >= HEAP_TRIM_S:
+                    last_trim = time.monotonic()
+                    await asyncio.to_thread(heap.trim)
             if idle and time.monotonic() - last_idle_check >= idle_period:
                 last_idle_check = time.monotonic()
                 await self.unload_idle(idle)
@@ -455,7 +470,7 @@ class Engine:
             "hit_ratio": req["hit_ratio"],
             "cache_enabled": self.settings.cache_enabled,
             "scheduler": self._scheduler_stats(),
-            "memory": asdict(self.pressure),
+            "memory": asdict(self.pressure) | _mlx_memory(),
             **asdict(self.tiers.stats()),
             "models": self.model_ids,
         }
