@@ -100,36 +100,35 @@ def test_no_tenant_ever_hits_another_tenants_blocks_in_ram_or_on_ssd(ops):
 
 
 def _drive(ssd: SSDStore, codec: HostCodec, ops: list) -> None:
-    if True:
-        tiers = TieredCache(CacheManager(1 << 30), ssd, codec, write_through=True)
-        stored: dict[str, list[list[int]]] = {}
-        for tenant, diverge, salt, store in ops:
-            tokens = _prompt(diverge, salt)
-            chain = _chain(tokens, tenant)
-            scope = Scope.of(MODEL, tenant)
-            if store:
-                tiers.store_blocks(chain, scope, {i: _payload(i) for i in range(6)})
-                stored.setdefault(tenant, []).append(tokens)
-                continue
-            hit = tiers.lookup(chain, scope, needs_checkpoint=False)
-            own = _own_prefix(stored, tenant, tokens)
-            assert hit.ram.length <= own, (tenant, hit.ram.length, own)
-            assert hit.length <= own, (tenant, hit.length, own)
-        assert ssd.flush(60.0)
+    tiers = TieredCache(CacheManager(1 << 30), ssd, codec, write_through=True)
+    stored: dict[str, list[list[int]]] = {}
+    for tenant, diverge, salt, store in ops:
+        tokens = _prompt(diverge, salt)
+        chain = _chain(tokens, tenant)
+        scope = Scope.of(MODEL, tenant)
+        if store:
+            tiers.store_blocks(chain, scope, {i: _payload(i) for i in range(6)})
+            stored.setdefault(tenant, []).append(tokens)
+            continue
+        hit = tiers.lookup(chain, scope, needs_checkpoint=False)
+        own = _own_prefix(stored, tenant, tokens)
+        assert hit.ram.length <= own, (tenant, hit.ram.length, own)
+        assert hit.length <= own, (tenant, hit.length, own)
+    assert ssd.flush(60.0)
 
-        # A restarted process: RAM empty, everything from the SSD tier.
-        fresh = TieredCache(CacheManager(1 << 30), ssd, codec, write_through=True)
-        for tenant in HOSTILE[:8]:
-            for diverge in range(6):
-                for salt in range(3):
-                    tokens = _prompt(diverge, salt)
-                    hit = fresh.lookup(
-                        _chain(tokens, tenant), Scope.of(MODEL, tenant), needs_checkpoint=False
-                    )
-                    own = _own_prefix(stored, tenant, tokens)
-                    assert hit.length <= own, (tenant, diverge, salt, hit.length, own)
-                    if own >= 2 * BLOCK_SIZE:
-                        assert hit.length > 0, "a tenant's own blocks must still hit from SSD"
+    # A restarted process: RAM empty, everything from the SSD tier.
+    fresh = TieredCache(CacheManager(1 << 30), ssd, codec, write_through=True)
+    for tenant in HOSTILE[:8]:
+        for diverge in range(6):
+            for salt in range(3):
+                tokens = _prompt(diverge, salt)
+                hit = fresh.lookup(
+                    _chain(tokens, tenant), Scope.of(MODEL, tenant), needs_checkpoint=False
+                )
+                own = _own_prefix(stored, tenant, tokens)
+                assert hit.length <= own, (tenant, diverge, salt, hit.length, own)
+                if own >= 2 * BLOCK_SIZE:
+                    assert hit.length > 0, "a tenant's own blocks must still hit from SSD"
 
 
 def test_hostile_tenant_names_stay_inside_the_cache_folder(tmp_path):
