@@ -13,10 +13,11 @@ from pathlib import Path
 import mlx.core as mx
 import psutil
 
-from . import discovery, heap, kv, models
+from . import cache_probe, discovery, heap, kv, models
 from .cache.manager import CacheManager
 from .cache.ssd import SSDConfig, SSDStore
 from .cache.tiers import TieredCache
+from .cache_probe import ProbeResult, WarmResult
 from .demo import DEMO_MODEL_IDS
 from .prompt import (
     CLAUDE_CODE_BILLING_HEADER,
@@ -26,6 +27,7 @@ from .prompt import (
     render_completion,
 )
 from .prompt_cache import CachePolicy, ModelCache
+from .request_log import RequestLog
 from .runner import Event, Job, Runner
 from .scheduler import Scheduler, SchedulerSettings
 from .session_admin import SessionAdmin
@@ -83,6 +85,8 @@ class EngineSettings:
     ssd_write_through: bool = True
     # How long shutdown waits for queued SSD writes.
     ssd_drain_s: float = 10.0
+    # Warn when the hit ratio of the last 20 cacheable requests falls below this (0: off).
+    alert_hit_ratio: float = 0.5
     # Client sessions (/v1/cache/sessions): idle ones expire after this many seconds
     # (None: never); pinned ones hold at most this much RAM (None: a quarter of the budget).
     session_ttl_s: float | None = None
@@ -187,6 +191,9 @@ class Engine:
         self.settings = settings
         self._entries: dict[str, ModelEntry] = {}
         self.requests = RequestStats()
+        # The last requests with why each missed, and the hit-ratio alert.
+        self.request_log = RequestLog(settings.alert_hit_ratio)
+        self._caches: dict[str, ModelCache] = {}  # each loaded model's prompt cache
         # Called with every finished request (on the MLX thread): metrics, request logs.
         self.result_listeners: list[Callable[[GenerationRequest, GenerationResult], None]] = []
         self.pressure = MemoryPressure(
@@ -258,6 +265,7 @@ class Engine:
                     self.scheduler,
                     self._session_factory(loaded),
                     on_result=self._record,
+                    on_done=self.request_log.on_done,
                 )
                 self.scheduler.add(entry.runner)
             # Marks the model busy for the idle janitor before any await can intervene.
@@ -359,7 +367,21 @@ class Engine:
         except kv.UnsupportedCacheError as e:
             log.warning("prompt cache off for %s: %s", loaded.id, e)
             return None
+        self._caches[loaded.id] = cache
         return cache.session
+
+    def model_cache(self, model_id: str) -> ModelCache | None:
+        """The prompt cache of a loaded model; None when it has none (or is not loaded)."""
+        entry = self._entries.get(model_id)
+        return self._caches.get(model_id) if entry and entry.runner else None
+
+    async def probe(self, req: GenerationRequest) -> ProbeResult:
+        """What `req` would restore from RAM and SSD, without running the model."""
+        return await cache_probe.probe(self, req)
+
+    async def warm(self, req: GenerationRequest) -> WarmResult:
+        """Prefill and store `req`'s prompt, generating nothing."""
+        return await cache_probe.warm(self, req)
 
     async def prepare(self, req: GenerationRequest) -> tuple[Runner, Job]:
         """Tokenize and validate; every client mistake surfaces here, before streaming."""
@@ -473,6 +495,7 @@ class Engine:
             "memory": asdict(self.pressure) | _mlx_memory(),
             **asdict(self.tiers.stats()),
             "models": self.model_ids,
+            "alert": self.request_log.alert_state(),
         }
 
     def _scheduler_stats(self) -> dict:

@@ -28,6 +28,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("engine_bridge.prompt_cache")
 
+# Text shown either side of a divergence: enough tokens to fill this many characters.
+_CONTEXT_CHARS = 40
+_CONTEXT_TOKENS = 24
+
+
+@dataclass(slots=True)
+class LookupReport:
+    """What one request's lookup found, for its response header and the request log."""
+
+    restored: int  # tokens the cache gave
+    diverged_at: int | None  # where the prompt left a sequence RAM holds, if it did
+    # Where this model can resume: any block boundary, or only at checkpoints (snapshot
+    # layers), which prefill takes at message starts and every `checkpoint_interval`.
+    block_size: int
+    snapshots: bool
+    checkpoint_interval: int
+    # What came next was dropped lately: "evicted_ram", "evicted_ssd" or "expired".
+    lost: str | None = None
+    message: int | None = None  # the message the divergence falls in
+    before: str = ""  # the text just before and after the divergence
+    after: str = ""
+
 
 @dataclass(slots=True)
 class CachePolicy:
@@ -87,6 +109,7 @@ class CacheSession:
             if session and owner.sessions is not None
             else None
         )
+        self.lookup: LookupReport | None = None  # set by `restore`
 
     # -- restore ---------------------------------------------------------------------------
 
@@ -98,7 +121,8 @@ class CacheSession:
         source: CacheSource = "ssd" if promoted else "ram"
         # Pinned, so nothing is evicted before the copy below is taken.
         match = self.tiers.pin(hit, promoted=promoted)
-        self._log_divergence(hit, match.length)
+        self.lookup = self._report(hit, match.length)
+        self._log_divergence(self.lookup)
         ckpt_used = match.checkpoint
         self._note(match.length // self.bs, ckpt_used and (ckpt_used.key, ckpt_used.position))
         if match.length == 0:
@@ -112,21 +136,43 @@ class CacheSession:
         self._stored_blocks = match.length // self.bs
         return cache, match.length, source
 
-    def _log_divergence(self, hit: Hit, restored: int) -> None:
-        """Say once where this prompt left the nearest cached sequence, when it did."""
+    def _report(self, hit: Hit, restored: int) -> LookupReport:
+        prompt = self.job.prompt
+        # What a deeper hit would have needed next: the block the hit ends in, and for
+        # snapshot models the checkpoints at message starts past it.
+        positions = (
+            [p for p in prompt.message_starts if p > restored] if hit.needs_checkpoint else []
+        )
+        lost = self.tiers.lost(self.chain, self.scope, restored // self.bs, positions)
+        policy = self.owner.policy
+        report = LookupReport(
+            restored,
+            hit.diverged_at,
+            self.bs,
+            hit.needs_checkpoint,
+            policy.checkpoint_interval,
+            lost,
+        )
         lcp = hit.diverged_at
-        if lcp is None or not self.owner.policy.log_divergence:
+        if lcp is not None:
+            tokens, decode = self.chain.tokens, self.owner.loaded.tokenizer.decode
+            report.message = prompt.message_at(lcp)
+            report.before = decode(tokens[max(0, lcp - _CONTEXT_TOKENS) : lcp])[-_CONTEXT_CHARS:]
+            report.after = decode(tokens[lcp : lcp + _CONTEXT_TOKENS])[:_CONTEXT_CHARS]
+        return report
+
+    def _log_divergence(self, report: LookupReport) -> None:
+        """Say once where this prompt left the nearest cached sequence, when it did."""
+        if report.diverged_at is None or not self.owner.policy.log_divergence:
             return
-        tokens = self.chain.tokens
-        tok = self.owner.loaded.tokenizer
         log.info(
             "prompt diverges from the cache at token %d of %d (message %s): %r | %r; restored %d",
-            lcp,
-            len(tokens),
-            self.job.prompt.message_at(lcp),
-            tok.decode(tokens[max(0, lcp - 12) : lcp]),
-            tok.decode(tokens[lcp : lcp + 12]),
-            restored,
+            report.diverged_at,
+            len(self.chain),
+            report.message,
+            report.before,
+            report.after,
+            report.restored,
         )
 
     # -- save points -----------------------------------------------------------------------

@@ -66,11 +66,14 @@ class Runner:
         scheduler: Scheduler,
         session_factory: Callable[[Job], CacheSession | None] | None = None,
         on_result: Callable[[GenerationRequest, GenerationResult], None] | None = None,
+        on_done: Callable[[Seq, GenerationResult], None] | None = None,
     ):
         self.loaded = loaded
         self.scheduler = scheduler
         self._session_factory = session_factory
         self._on_result = on_result
+        # Told every finished sequence (the request log: why a request missed).
+        self._on_done = on_done
         blocker = kv.batch_blocker(make_prompt_cache(loaded.model))
         if blocker is not None:
             log.warning("%s decodes one sequence at a time: %s", loaded.id, blocker)
@@ -234,7 +237,9 @@ class Runner:
             pending.emit(Failed(e))
             pending.emit(None)
             return
-        seq.emit(PromptInfo(len(seq.tokens), seq.cached, seq.source))
+        report = getattr(seq.session, "lookup", None)  # a LookupReport, when cached
+        diverged = report.diverged_at if report is not None else None
+        seq.emit(PromptInfo(len(seq.tokens), seq.cached, seq.source, diverged))
         self.prefilling.append(seq)
         log.info(
             "admitted after %.2fs: %d prompt tokens, %d from %s; %d decoding, %d prefilling, "
@@ -301,6 +306,10 @@ class Runner:
         try:
             if seq.session is not None:
                 seq.session.save(seq.cache, seq.tokens, seq.position, SavePoint.PROMPT_END)
+            if seq.job.request.prefill_only:  # a warm-up: stored, and nothing to generate
+                seq.finish = "length"
+                self._close(seq, save=False)
+                return
             if seq.position:
                 self.bytes_per_token = max(
                     self.bytes_per_token, kv.live_nbytes(seq.cache) / seq.position
@@ -416,9 +425,15 @@ class Runner:
         result = seq.result(
             used_cache=seq.job.request.use_cache and self._session_factory is not None
         )
-        if self._on_result is not None:
-            # Recorded here, not by the consumer, which may have gone away.
+        if self._on_result is not None and not seq.job.request.prefill_only:
+            # Recorded here, not by the consumer, which may have gone away. A warm-up is
+            # not a request: it stays out of the hit ratio.
             self._on_result(seq.job.request, result)
+        if self._on_done is not None:
+            try:
+                self._on_done(seq, result)
+            except Exception:
+                log.exception("[%s] recording the request failed", seq.job.request.request_id)
         seq.emit(result)
         seq.emit(None)
 

@@ -143,6 +143,8 @@ class GenerationRequest:
     # Who is asking, for fair scheduling: the client's session id when it sends one
     # (Claude Code's X-Claude-Code-Session-Id, x-session-id, metadata.user_id, user).
     session: str = ""
+    # Prefill and store the prompt, then stop before the first token (POST /v1/cache/warm).
+    prefill_only: bool = False
 
 
 @dataclass(slots=True)
@@ -152,6 +154,8 @@ class PromptInfo:
     prompt_tokens: int
     cached_tokens: int
     source: CacheSource
+    # The token index where the prompt left a sequence the cache holds, when it did.
+    diverged_at: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -145,6 +145,9 @@ class CacheConfig:
     session_ttl: str | float | None = None
     # RAM pinned sessions may hold against eviction: a share of the RAM budget or a size.
     pin_max: str | int = "25%"
+    # Warn (log, dashboard, GET /v1/cache/stats) when the hit ratio of the last 20 requests
+    # that used the cache falls below this; 0 turns the alert off.
+    alert_hit_ratio: float = 0.5
     ram: RamCacheConfig = field(default_factory=RamCacheConfig)
     ssd: SsdCacheConfig = field(default_factory=SsdCacheConfig)
 
@@ -385,6 +388,11 @@ def _validate(config: Config, origins: Origins) -> None:
     if c.session_ttl is not None:
         parses("cache.session_ttl", parse_duration, c.session_ttl)
     parses("cache.pin_max", lambda v: resolve_share_of_ram(v, 1 << 30, "pin_max"), c.pin_max)
+    check(
+        "cache.alert_hit_ratio",
+        0 <= c.alert_hit_ratio <= 1,
+        f"must be from 0 (off) to 1, got {c.alert_hit_ratio}",
+    )
     parses("cache.ram.budget", lambda v: resolve_ram_budget(v, 0), c.ram.budget)
     if c.ram.min_available != "off":
         parses(

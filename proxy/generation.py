@@ -64,10 +64,14 @@ class Generation:
 
 
 def cache_headers(info: PromptInfo) -> dict[str, str]:
-    return {
+    headers = {
         "x-prompt-cache-hit-tokens": str(info.cached_tokens),
         "x-prompt-cache-source": info.source,
     }
+    if info.diverged_at is not None:
+        # Where the prompt left a sequence the cache holds: GET /v1/cache/requests says why.
+        headers["x-prompt-cache-diverged-at"] = str(info.diverged_at)
+    return headers
 
 
 def request_options(request: web.Request) -> tuple[str, bool]:

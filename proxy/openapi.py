@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import dashboard
+from . import dashboard, openapi_inspect
 from .generation import BYPASS_HEADER, SESSION_HEADERS
 from .state import ENGINE, SETTINGS
 
@@ -438,6 +438,11 @@ def _generation_op(
             "required": True,
             "schema": {"enum": CACHE_SOURCES},
         },
+        "x-prompt-cache-diverged-at": {
+            "description": "the token index where the prompt left a sequence the cache "
+            "holds, when it did (GET /v1/cache/requests says why)",
+            "schema": COUNT,
+        },
     }
     counting = response == "TokenCount"
     ok: Schema = {
@@ -526,6 +531,7 @@ def document(model_ids: Sequence[str], tenant_header: str = "x-tenant") -> Schem
         "/health": {"get": _get_op("liveness and the models served", "Health", "admin")},
         "/v1/cache/stats": {"get": _get_op("prompt cache counters", "CacheStats", "admin")},
         **dashboard.openapi_paths(),
+        **openapi_inspect.paths(),
         "/openapi.json": {
             "get": {
                 "summary": "this document",
@@ -555,6 +561,7 @@ def document(model_ids: Sequence[str], tenant_header: str = "x-tenant") -> Schem
                 **_openai_schemas(),
                 **_anthropic_schemas(),
                 **_other_schemas(model_ids),
+                **openapi_inspect.schemas(),
             },
             "parameters": _parameters(tenant_header),
         },

@@ -71,6 +71,7 @@ def engine_settings(config: Config) -> EngineSettings:
         pin_max_bytes=resolve_share_of_ram(
             cache.pin_max, resolve_ram_budget(cache.ram.budget, ram.available), "pin_max"
         ),
+        alert_hit_ratio=cache.alert_hit_ratio,
     )
 
 

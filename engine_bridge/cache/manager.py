@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine_bridge.cache.checkpoints import Checkpoint, CheckpointStore
+from engine_bridge.cache.evictions import EvictionRecord
 from engine_bridge.cache.hashing import BLOCK_SIZE, BlockHash, Chain
 from engine_bridge.cache.kinds import EntryKind, Reason
 from engine_bridge.cache.matching import Match, find_match
@@ -91,6 +92,8 @@ class CacheManager:
         self._thinned = 0
         self._reserve_failures = 0
         self._spill_errors = 0
+        # What eviction dropped lately, so a later miss can say it was evicted.
+        self.evicted = EvictionRecord()
 
     # ---- lookup -------------------------------------------------------------------------
 
@@ -262,6 +265,7 @@ class CacheManager:
                 self._evicted_checkpoints += 1
             self._evicted_bytes += entry.nbytes
             evicted.append(entry)
+        self.evicted.add(e.key for e in evicted)
         return evicted
 
     def _forget(self, entry: Entry) -> None:

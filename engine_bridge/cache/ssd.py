@@ -27,6 +27,7 @@ from typing import Literal, NamedTuple
 from engine_bridge.cache import ssd_files as files
 from engine_bridge.cache import ssd_health as health
 from engine_bridge.cache import ssd_maintenance as maintenance
+from engine_bridge.cache.evictions import Cause, EvictionRecord
 from engine_bridge.cache.index import EntryRow, Index, RawId, Scope
 from engine_bridge.cache.kinds import EntryKind
 from engine_bridge.cache.ssd_format import FormatError, encode, read_entry
@@ -148,6 +149,8 @@ class SSDStore:
         self.last_reconcile: ReconcileReport | None = None
         # Set by the tier above (TieredCache); called on the writer thread.
         self.on_lost: OnLost | None = None
+        # What LRU eviction and the TTL deleted lately, so a later miss can say which.
+        self.evicted = EvictionRecord()
         self._next_check = 0.0
         self._watch = health.FolderWatch(
             self.root,
@@ -364,7 +367,9 @@ class SSDStore:
         self._flush_touches()
         if self.config.ttl_s is None or self._index is None or self._disabled_reason:
             return 0
-        n = maintenance.expire(self.root, self._index, time.time() - self.config.ttl_s)
+        n = maintenance.expire(
+            self.root, self._index, time.time() - self.config.ttl_s, self._deleting("expired")
+        )
         return self._count("expired", n, n)
 
     def _flush_touches(self) -> None:
@@ -448,8 +453,13 @@ class SSDStore:
             v["spills" if job.reason == "spill" else "write_throughs"] += 1
         if index.totals()[1] > self.config.max_bytes:
             self._flush_touches()
-            evicted = maintenance.evict_lru(self.root, index, self.config.max_bytes)
+            evicted = maintenance.evict_lru(
+                self.root, index, self.config.max_bytes, self._deleting("evicted")
+            )
             self._count("evictions", None, evicted)
+
+    def _deleting(self, cause: Cause) -> maintenance.OnDelete:
+        return lambda rows: self.evicted.add((r.key for r in rows), cause)
 
     # ---- faults ---------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,7 +60,11 @@ def reconcile(root: Path, index: Index, *, max_entry_bytes: int) -> ReconcileRep
     return report
 
 
-def evict_lru(root: Path, index: Index, target: int) -> int:
+# Told the rows about to be deleted (the store records their keys, to explain misses).
+OnDelete = Callable[[list[EntryRow]], None]
+
+
+def evict_lru(root: Path, index: Index, target: int, on_delete: OnDelete | None = None) -> int:
     """Delete least recently used entries until the root holds at most `target` bytes."""
     evicted = 0
     _, total = index.totals()
@@ -72,15 +77,19 @@ def evict_lru(root: Path, index: Index, target: int) -> int:
                 break
         if not victims:
             break
+        if on_delete is not None:
+            on_delete(victims)
         evicted += delete_entries(root, index, victims)
         _, total = index.totals()
     return evicted
 
 
-def expire(root: Path, index: Index, cutoff: float) -> int:
+def expire(root: Path, index: Index, cutoff: float, on_delete: OnDelete | None = None) -> int:
     """Delete entries last used before `cutoff` (epoch seconds)."""
     n = 0
     while rows := index.least_recent(_BATCH, before=cutoff):
+        if on_delete is not None:
+            on_delete(rows)
         n += delete_entries(root, index, rows)
     return n
 

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -203,6 +203,24 @@ class TieredCache:
             for p, present in zip(positions, found, strict=True):
                 if present:
                     return p
+        return None
+
+    def lost(
+        self, chain: Chain, scope: Scope, block: int, checkpoints: Sequence[int] = ()
+    ) -> str | None:
+        """Why the entries after a hit are gone when a tier dropped them lately: block
+        `block` of `chain` and checkpoints at `checkpoints`. "expired" (the SSD's TTL),
+        "evicted_ssd", "evicted_ram", or None (never cached, as far as the records go)."""
+        keys = [(EntryKind.BLOCK, chain.hashes[block])] if block < len(chain.hashes) else []
+        keys += [(EntryKind.CHECKPOINT, chain.checkpoint_key(p)) for p in checkpoints]
+        for kind, key in keys:
+            cause = self.ssd.evicted.cause(key) if self.ssd is not None else None
+            if cause is not None:
+                return "expired" if cause == "expired" else "evicted_ssd"
+            if self.ram.evicted.cause(key) is not None:
+                if self.ssd is not None and self.ssd.contains_many(scope, kind, [key])[0]:
+                    continue  # spilled: still on disk, so not what cut this hit short
+                return "evicted_ram"
         return None
 
     def pin(self, hit: Hit, *, promoted: bool) -> Match:
