@@ -14,7 +14,15 @@ from engine_bridge.engine import Engine
 from engine_bridge.logctx import request_id
 from engine_bridge.types import EngineError
 
-from . import anthropic_api, cache_inspect, dashboard, lmstudio_api, openai_api, openapi
+from . import (
+    anthropic_api,
+    cache_admin,
+    cache_inspect,
+    dashboard,
+    lmstudio_api,
+    openai_api,
+    openapi,
+)
 from .config import UpstreamConfig
 from .errors import ApiError, api_error, dialect_for, error_response
 from .fields import parse_json_object, read_body
@@ -188,6 +196,7 @@ def create_app(
     app.router.add_post("/v1/messages", json_route(anthropic_api.messages))
     app.router.add_post("/v1/messages/count_tokens", json_route(anthropic_api.count_tokens))
     lmstudio_api.add_routes(app)
+    cache_admin.add_routes(app)
     app.router.add_get("/openapi.json", openapi.serve)
     cache_inspect.add_routes(app)
     dashboard.add_routes(app)

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import dashboard, openapi_inspect
+from . import dashboard, openapi_inspect, openapi_sessions
 from .generation import BYPASS_HEADER, SESSION_HEADERS
 from .state import ENGINE, SETTINGS
 
@@ -417,7 +417,9 @@ def _parameters(tenant_header: str) -> dict[str, Schema]:
         ),
         "Tenant": header(tenant_header, "the cache namespace of this request", STRING),
         **{
-            f"Session{i}": header(name, "the client's session, for fair scheduling", STRING)
+            f"Session{i}": header(
+                name, "the client's session: fair scheduling, /v1/cache/sessions", STRING
+            )
             for i, name in enumerate(SESSION_HEADERS)
         },
     }
@@ -530,6 +532,7 @@ def document(model_ids: Sequence[str], tenant_header: str = "x-tenant") -> Schem
         },
         "/health": {"get": _get_op("liveness and the models served", "Health", "admin")},
         "/v1/cache/stats": {"get": _get_op("prompt cache counters", "CacheStats", "admin")},
+        **openapi_sessions.paths(),
         **dashboard.openapi_paths(),
         **openapi_inspect.paths(),
         "/openapi.json": {
@@ -561,6 +564,7 @@ def document(model_ids: Sequence[str], tenant_header: str = "x-tenant") -> Schem
                 **_openai_schemas(),
                 **_anthropic_schemas(),
                 **_other_schemas(model_ids),
+                **openapi_sessions.schemas(),
                 **openapi_inspect.schemas(),
             },
             "parameters": _parameters(tenant_header),

@@ -215,6 +215,27 @@ class SSDStore:
         found = self._present(scope, kind, keys)
         return [k in found for k in keys]
 
+    def rows(self, scope: Scope, kind: EntryKind, keys: Sequence[bytes]) -> list[EntryRow]:
+        """The index rows of those keys that are on disk (sizes, last use; no file opened)."""
+        try:
+            return [] if self._index is None else self._index.select(scope, kind, keys)
+        except sqlite3.Error:
+            return []
+
+    def delete(self, select: Callable[[Index], list[EntryRow]]) -> tuple[int, int]:
+        """Delete now (file, then row) the entries `select(index)` names, e.g. a deleted
+        session's own; returns (entries, bytes). Queued writes are not waited for."""
+        with self._io_lock:
+            index = self._index
+            if index is None:
+                return 0, 0
+            try:
+                rows = select(index)
+                return maintenance.delete_entries(self.root, index, rows), sum(r.size for r in rows)
+            except sqlite3.Error as e:
+                log.warning("SSD cache: deleting entries failed: %s", e)
+                return 0, 0
+
     def holds(self, scope: Scope, kind: EntryKind, key: bytes) -> bool:
         """Whether the index has the entry and its file is there (one stat: for writing
         lost entries again, not for lookups, which trust the index)."""
