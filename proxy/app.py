@@ -20,6 +20,7 @@ from . import (
     cache_inspect,
     dashboard,
     lmstudio_api,
+    metrics,
     openai_api,
     openapi,
 )
@@ -174,12 +175,15 @@ def create_app(
 ) -> web.Application:
     # browser_safety runs inside request_context, so its refusals get the dialect's shape.
     app = web.Application(
-        middlewares=[request_context, browser_safety], client_max_size=settings.max_body_bytes
+        # count_errors is outermost: it sees the status of every answer, refusals included.
+        middlewares=[metrics.count_errors, request_context, browser_safety],
+        client_max_size=settings.max_body_bytes,
     )
     app[ENGINE] = engine
     app[SETTINGS] = settings
     setup_passthrough(app, upstream or UpstreamConfig())
     setup_browser_safety(app, policy or BrowserPolicy())
+    metrics.setup_metrics(app)
 
     async def lifecycle(app: web.Application):
         janitor = asyncio.create_task(engine.janitor())
@@ -200,6 +204,7 @@ def create_app(
     app.router.add_get("/openapi.json", openapi.serve)
     cache_inspect.add_routes(app)
     dashboard.add_routes(app)
+    app.router.add_get("/metrics", metrics.serve)
     # Everything else is LM Studio's: embeddings, /v1/responses, /api/v0, /api/v1, ...
     app.router.add_route("*", "/{tail:.*}", passthrough, name=PASSTHROUGH_ROUTE)
     return app

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import dashboard, openapi_inspect, openapi_sessions
+from . import dashboard, openapi_inspect, openapi_metrics, openapi_sessions
 from .generation import BYPASS_HEADER, SESSION_HEADERS
 from .state import ENGINE, SETTINGS
 
@@ -535,6 +535,7 @@ def document(model_ids: Sequence[str], tenant_header: str = "x-tenant") -> Schem
         **openapi_sessions.paths(),
         **dashboard.openapi_paths(),
         **openapi_inspect.paths(),
+        **openapi_metrics.paths(),
         "/openapi.json": {
             "get": {
                 "summary": "this document",

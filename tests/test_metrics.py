@@ -1,0 +1,310 @@
+"""GET /metrics: Prometheus text from prometheus-client, checked against what requests got.
+
+A real server with a RAM budget of about one conversation, so one run of SDK requests is a
+miss, a RAM hit, an eviction and an SSD hit; every counter must move by exactly what the
+responses reported, with the right model, tenant and source labels.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, fields
+
+import anthropic
+import httpx
+import openai
+import pytest
+from conftest import fresh_cache_dir, start_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_bridge.cache.manager import CacheStats
+from engine_bridge.cache.ssd import SSDStats
+from proxy import metrics
+
+LLAMA = "demo-llama"
+P = "mlx_prompt_cache_"
+# demo-llama's K/V: 2 layers x (K, V) x 2 heads x dim 16 x 4 bytes = 512 bytes a token.
+BLOCK_BYTES = 512 * 64
+
+
+def system_prompt(topic: str) -> str:
+    """About 6 blocks of plain prose about `topic`."""
+    line = f"The {topic} team writes every change to the {topic} ledger and checks it twice. "
+    return line * 24
+
+
+Samples = dict[tuple[str, frozenset], float]
+
+
+def scrape(url: str, headers: dict | None = None) -> Samples:
+    r = httpx.get(url + "/metrics", headers=headers or {}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    out: Samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((P + name, frozenset(labels.items())), 0.0)
+
+
+def delta(after: Samples, before: Samples, name: str, **labels: str) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+def label_values(samples: Samples, name: str, label: str) -> set[str]:
+    return {dict(k)[label] for (n, k) in samples if n == P + name and label in dict(k)}
+
+
+@dataclass(slots=True)
+class Answer:
+    tenant: str
+    source: str  # the x-prompt-cache-source header, or "bypass"
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+def ask_openai(url: str, system: str, tenant: str, session: str) -> Answer:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=120)
+    raw = client.chat.completions.with_raw_response.create(
+        model=LLAMA,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "Go on."}],
+        max_tokens=8,
+        temperature=0,
+        extra_headers={"x-tenant": tenant, "x-session-id": session},
+    )
+    usage = raw.parse().usage
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert int(raw.headers["x-prompt-cache-hit-tokens"]) == cached
+    return Answer(
+        tenant,
+        raw.headers["x-prompt-cache-source"],
+        usage.prompt_tokens,
+        cached,
+        usage.completion_tokens,
+    )
+
+
+def ask_anthropic(url: str, system: str, tenant: str, *, bypass: bool = False) -> Answer:
+    client = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0, timeout=120)
+    headers = {"x-tenant": tenant} | ({"x-prompt-cache": "bypass"} if bypass else {})
+    raw = client.messages.with_raw_response.create(
+        model=LLAMA,
+        system=system,
+        messages=[{"role": "user", "content": "Go on."}],
+        max_tokens=8,
+        extra_body={"temperature": 0},
+        extra_headers=headers,
+    )
+    usage = raw.parse().usage
+    prompt = usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+    source = "bypass" if bypass else raw.headers["x-prompt-cache-source"]
+    return Answer(tenant, source, prompt, usage.cache_read_input_tokens, usage.output_tokens)
+
+
+@pytest.fixture(scope="module")
+def server(demo_root, tmp_path_factory):
+    cache_dir = fresh_cache_dir(demo_root, tmp_path_factory.mktemp("metrics-cache"))
+    config = cache_dir / "config.toml"
+    # Room for one conversation (6-7 blocks and its checkpoints), not two: a second
+    # conversation evicts the first from RAM, and the first comes back from SSD.
+    config.write_text(f'[cache.ram]\nbudget = "{10 * BLOCK_BYTES}"\n')
+    s = start_server(cache_dir, "--config", str(config), "--upstream", "http://127.0.0.1:9")
+    yield s
+    s.stop()
+
+
+def idle_stats(url: str) -> dict:
+    """/v1/cache/stats once the SSD writer has nothing queued."""
+    deadline = time.monotonic() + 30
+    while True:
+        stats = httpx.get(url + "/v1/cache/stats", timeout=30).json()
+        if not stats["ssd"]["queued"] or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+def test_counters_move_by_what_each_request_got_with_model_tenant_and_source(server):
+    url = server.url
+    before = scrape(url)
+    a, b = system_prompt("billing"), system_prompt("shipping")
+    answers = [
+        ask_openai(url, a, "alice", "conv-a"),  # nothing cached yet
+        ask_openai(url, a, "alice", "conv-a"),  # from RAM
+        # Another tenant (nothing shared, not even the template's first tokens) evicts the
+        # first conversation from RAM.
+        ask_anthropic(url, b, "carol"),
+        ask_openai(url, a, "alice", "conv-a"),  # back from SSD
+        ask_anthropic(url, a, "bob", bypass=True),
+    ]
+    assert [x.source for x in answers] == ["none", "ram", "none", "ssd", "bypass"]
+    with pytest.raises(openai.BadRequestError):
+        openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0).chat.completions.create(
+            model=LLAMA, messages=[{"role": "user", "content": "hi"}], max_tokens=-1
+        )
+    # The upstream is down: a passthrough error, grouped under one label, not its path.
+    assert httpx.get(url + "/v1/embeddings/abc123", timeout=30).status_code >= 500
+    after = scrape(url)
+
+    counted: Counter = Counter()  # (counter, tenant, source) -> expected delta
+    ttft, restore, prefill = Counter(), Counter(), 0
+    for x in answers:
+        counted["requests", x.tenant, x.source] += 1
+        counted["prompt_tokens", x.tenant, x.source] += x.prompt_tokens
+        counted["cached_tokens", x.tenant, x.source] += x.cached_tokens
+        ttft[x.source] += x.completion_tokens > 0
+        restore[x.source] += x.cached_tokens > 0
+        # The last prompt token is computed by the first decode step, not by prefill.
+        prefill += x.prompt_tokens - 1 - x.cached_tokens > 0
+    for (name, tenant, source), n in counted.items():
+        got = delta(after, before, name + "_total", model=LLAMA, tenant=tenant, source=source)
+        assert got == n, (name, tenant, source)
+    assert sum(x.cached_tokens for x in answers if x.source in ("ram", "ssd")) > 0
+    for source in ("none", "ram", "ssd", "bypass"):
+        got = delta(after, before, "ttft_seconds_count", model=LLAMA, source=source)
+        assert got == ttft[source] >= 1, source
+        assert delta(after, before, "ttft_seconds_sum", model=LLAMA, source=source) > 0
+    for source in ("ram", "ssd"):
+        got = delta(after, before, "restore_seconds_count", model=LLAMA, source=source)
+        assert got == restore[source] == 1, source
+    assert delta(after, before, "restore_seconds_count", model=LLAMA, source="none") == 0
+    assert delta(after, before, "prefill_tokens_per_second_count", model=LLAMA) == prefill
+    assert delta(after, before, "completion_tokens_total", model=LLAMA, tenant="alice") == sum(
+        x.completion_tokens for x in answers if x.tenant == "alice"
+    )
+    errors = "http_errors_total"
+    assert delta(after, before, errors, status="400", route="/v1/chat/completions") == 1
+    routes = label_values(after, errors, "route")
+    assert "passthrough" in routes and not any("abc123" in r for r in routes)
+
+    # The levels and totals read at scrape time are /v1/cache/stats' own.
+    stats = idle_stats(url)
+    now = scrape(url)
+    ram, ssd = stats["ram"], stats["ssd"]
+    assert value(now, "ram_bytes") == ram["bytes"] > 0
+    assert value(now, "ram_budget_bytes") == ram["budget_bytes"] == 10 * BLOCK_BYTES
+    assert value(now, "ram_entries", kind="block") == ram["blocks"]
+    assert value(now, "ram_evictions_total", kind="block") == ram["evicted_blocks"] > 0
+    assert value(now, "ram_evicted_bytes_total") == ram["evicted_bytes"] > 0
+    assert value(now, "ssd_bytes") == ssd["bytes"] > 0
+    assert value(now, "ssd_entries") == ssd["entries"] > 0
+    assert value(now, "ssd_written_bytes_total") == ssd["bytes_written"] > 0
+    assert value(now, "ssd_read_bytes_total") == ssd["bytes_read"] > 0
+    assert value(now, "ssd_reads_total", result="hit") == ssd["hits"] > 0
+    assert value(now, "ssd_budget_bytes") == ssd["max_bytes"] == 10 * 1000**3
+    assert value(now, "ssd_write_drops_total", reason="queue_full") == ssd["queue_drops"]
+    assert value(now, "ssd_quarantined_files_total") == ssd["quarantined"]
+    assert value(now, "scheduler_running") == stats["scheduler"]["running"] == 0
+    assert value(now, "scheduler_waiting") == stats["scheduler"]["waiting"] == 0
+    listed = httpx.get(url + "/v1/cache/sessions", timeout=30).json()["sessions"]
+    assert value(now, "sessions") == len(listed) >= 1
+
+
+def test_tenant_labels_are_capped_and_the_rest_count_as_other(server):
+    url = server.url
+    before = scrape(url)
+    known = label_values(before, "requests_total", "tenant") - {"other"}
+    for i in range(40):
+        body = {"model": LLAMA, "messages": [{"role": "user", "content": f"n{i}"}]}
+        body["max_tokens"] = 1
+        r = httpx.post(
+            url + "/v1/chat/completions", json=body, headers={"x-tenant": f"t{i:02d}"}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+    after = scrape(url)
+    for name in ("requests_total", "prompt_tokens_total", "completion_tokens_total"):
+        tenants = label_values(after, name, "tenant")
+        assert len(tenants - {"other"}) == metrics.MAX_TENANT_LABELS, name
+    labelled = metrics.MAX_TENANT_LABELS - len(known)
+    other = sum(
+        v - before.get(k, 0.0)
+        for k, v in after.items()
+        if k[0] == P + "requests_total" and dict(k[1])["tenant"] == "other"
+    )
+    assert other == 40 - labelled
+    assert {f"t{i:02d}" for i in range(labelled)} <= label_values(after, "requests_total", "tenant")
+
+
+def test_api_keys_scope_a_scrape_to_the_keys_tenant(demo_root, tmp_path):
+    cache_dir = fresh_cache_dir(demo_root, tmp_path / "cache")
+    config = tmp_path / "config.toml"
+    config.write_text('[tenants.api_keys]\n"sk-alice" = "alice"\n"sk-bob" = "bob"\n')
+    s = start_server(cache_dir, "--config", str(config), "--host", "0.0.0.0")
+    try:
+        r = httpx.get(s.url + "/metrics", timeout=30)
+        assert r.status_code == 401 and "api_keys" in r.json()["error"]["message"]
+        for key, content in (("sk-alice", "a"), ("sk-bob", "b"), ("sk-bob", "c")):
+            body = {"model": LLAMA, "max_tokens": 1}
+            body["messages"] = [{"role": "user", "content": content}]
+            # A header naming another tenant does not make bob alice.
+            headers = {"authorization": f"Bearer {key}", "x-tenant": "alice"}
+            r = httpx.post(s.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+            assert r.status_code == 200, r.text
+        for key, tenant, n in (("sk-alice", "alice", 1), ("sk-bob", "bob", 2)):
+            seen = scrape(s.url, {"x-api-key": key})
+            assert label_values(seen, "requests_total", "tenant") == {tenant}
+            total = sum(v for (k, _), v in seen.items() if k == P + "requests_total")
+            assert total == n
+            # Process-wide series are everyone's; the refused scrape was counted.
+            assert value(seen, "ram_bytes") > 0
+            assert value(seen, "http_errors_total", status="401", route="/metrics") == 1
+    finally:
+        s.stop()
+
+
+def test_openmetrics_is_served_when_asked_for(server):
+    r = httpx.get(
+        server.url + "/metrics", headers={"Accept": "application/openmetrics-text"}, timeout=30
+    )
+    assert r.headers["content-type"].startswith("application/openmetrics-text")
+    assert r.text.endswith("# EOF\n")
+    assert f"# TYPE {P}ttft_seconds histogram" in r.text
+
+
+def _distinct(cls) -> dict:
+    """A stats dataclass with every int field set to a different value."""
+    values = {f.name: 1000 + i for i, f in enumerate(fields(cls)) if f.type in ("int", int)}
+    return asdict(cls(**values))
+
+
+def test_every_scrape_time_metric_reads_its_own_stats_field():
+    ram, ssd = _distinct(CacheStats), _distinct(SSDStats)
+    got: Samples = {}
+    for family in [*metrics.ram_metrics(ram), *metrics.ssd_metrics(ssd)]:
+        for s in family.samples:
+            got[(s.name, frozenset(s.labels.items()))] = s.value
+    expected = {
+        ("ram_bytes", ()): ram["bytes"],
+        ("ram_budget_bytes", ()): ram["budget_bytes"],
+        ("ram_pinned_bytes", ()): ram["pinned_bytes"],
+        ("ram_entries", (("kind", "block"),)): ram["blocks"],
+        ("ram_entries", (("kind", "checkpoint"),)): ram["checkpoints"],
+        ("ram_evictions_total", (("kind", "block"),)): ram["evicted_blocks"],
+        ("ram_evictions_total", (("kind", "checkpoint"),)): ram["evicted_checkpoints"],
+        ("ram_evicted_bytes_total", ()): ram["evicted_bytes"],
+        ("ssd_bytes", ()): ssd["bytes"],
+        ("ssd_budget_bytes", ()): ssd["max_bytes"],
+        ("ssd_entries", ()): ssd["entries"],
+        ("ssd_queued_writes", ()): ssd["queued"],
+        ("ssd_disabled", ()): 0,
+        ("ssd_written_bytes_total", ()): ssd["bytes_written"],
+        ("ssd_read_bytes_total", ()): ssd["bytes_read"],
+        ("ssd_writes_total", ()): ssd["writes"],
+        ("ssd_write_drops_total", (("reason", "queue_full"),)): ssd["queue_drops"],
+        ("ssd_write_drops_total", (("reason", "disabled"),)): ssd["disabled_drops"],
+        ("ssd_write_drops_total", (("reason", "oversize"),)): ssd["oversize_drops"],
+        ("ssd_quarantined_files_total", ()): ssd["quarantined"],
+        ("ssd_errors_total", (("op", "write"),)): ssd["write_errors"],
+        ("ssd_errors_total", (("op", "read"),)): ssd["read_errors"],
+        ("ssd_evictions_total", (("reason", "capacity"),)): ssd["evictions"],
+        ("ssd_evictions_total", (("reason", "expired"),)): ssd["expired"],
+        ("ssd_reads_total", (("result", "hit"),)): ssd["hits"],
+        ("ssd_reads_total", (("result", "miss"),)): ssd["misses"],
+        ("ssd_reads_total", (("result", "no_ram"),)): ssd["promotion_failures"],
+    }
+    assert got == {(P + n, frozenset(labels)): v for (n, labels), v in expected.items()}
