@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # <xbar.title>mlx-prompt-cache</xbar.title>
 # <xbar.version>v0.1.0</xbar.version>
-# <xbar.desc>Prompt cache hit ratio, tier sizes and start/stop for the mlx-prompt-cache proxy.</xbar.desc>
+# <xbar.desc>Prompt cache hit ratio, tier sizes, sessions, the hit-ratio alert and start/stop for the mlx-prompt-cache proxy.</xbar.desc>
 # <xbar.dependencies>bash,curl</xbar.dependencies>
 # <swiftbar.hideRunInTerminal>true</swiftbar.hideRunInTerminal>
 #
@@ -13,6 +13,7 @@
 # a Mac without the developer tools is a stub that pops up an install dialog.
 #
 #   MLX_PROMPT_CACHE_URL   proxy to watch (default http://127.0.0.1:1235)
+#   MLX_PROMPT_CACHE_API_KEY  key to send, for a proxy with [tenants] api_keys (default none)
 #   LAUNCHCTL              launchctl to use in actions (default /bin/launchctl)
 set -u
 export PATH="/usr/bin:/bin:/usr/sbin:/sbin:/opt/homebrew/bin:/usr/local/bin:$PATH"
@@ -24,12 +25,33 @@ LAUNCHCTL="${LAUNCHCTL:-/bin/launchctl}"
 PLIST="${PLIST_DIR:-$HOME/Library/LaunchAgents}/$LABEL.plist"
 LOG_DIR="$HOME/Library/Logs/mlx-prompt-cache"
 SERVICE="gui/$(id -u)/$LABEL"
+SESSIONS_SHOWN=5
+# Only the first few sessions are parsed: the list is sorted newest first, and the awk
+# reader below walks its input a character at a time.
+SESSIONS_HEAD_BYTES=4000
+# Expanded as ${AUTH[@]+...}: bash 3.2, the Mac's /bin/bash, calls an empty array unbound.
+AUTH=()
+if [ -n "${MLX_PROMPT_CACHE_API_KEY:-}" ]; then
+    AUTH=(-H "Authorization: Bearer $MLX_PROMPT_CACHE_API_KEY")
+fi
 
 # JSON -> "path=value" lines ("ram.bytes=123", "models.0=demo-llama"), one per scalar.
 # A few lines of awk instead of a JSON tool the Mac may not have; the stats are flat
 # machine-written JSON, and anything it cannot read simply shows as missing.
 flatten_json() {
-    awk '
+    # LC_ALL=C: bytes in, bytes out, so awks that count characters agree with those that don't.
+    LC_ALL=C awk '
+    function hex4(h,   i, v) {
+        v = 0
+        for (i = 1; i <= 4; i++) v = v * 16 + index("0123456789abcdef", tolower(substr(h, i, 1))) - 1
+        return v
+    }
+    function utf8(c) {
+        if (c < 128) return sprintf("%c", c)
+        if (c < 2048) return sprintf("%c%c", 192 + int(c / 64), 128 + c % 64)
+        if (c < 65536) return sprintf("%c%c%c", 224 + int(c / 4096), 128 + int(c / 64) % 64, 128 + c % 64)
+        return sprintf("%c%c%c%c", 240 + int(c / 262144), 128 + int(c / 4096) % 64, 128 + int(c / 64) % 64, 128 + c % 64)
+    }
     function emit(v,   p, k) {
         p = ""
         for (k = 1; k <= depth; k++) p = p (k > 1 ? "." : "") key[k]
@@ -52,7 +74,20 @@ flatten_json() {
                 j = i + 1; str = ""
                 while (j <= n) {
                     d = substr(s, j, 1)
-                    if (d == "\\") { str = str substr(s, j + 1, 1); j += 2; continue }
+                    if (d == "\\") {
+                        e = substr(s, j + 1, 1)
+                        if (e == "u" && substr(s, j + 2, 4) ~ /^[0-9a-fA-F][0-9a-fA-F][0-9a-fA-F][0-9a-fA-F]$/) {
+                            # \uXXXX (Python writes every non-ASCII character so), pairs joined.
+                            c = hex4(substr(s, j + 2, 4)); j += 6
+                            if (c >= 55296 && c < 56320 && substr(s, j, 2) == "\\u") {
+                                c = 65536 + (c - 55296) * 1024 + hex4(substr(s, j + 2, 4)) - 56320; j += 6
+                            }
+                            if (c >= 55296 && c < 57344) str = str "?"  # a lone surrogate
+                            else if (c > 0) str = str utf8(c)
+                            continue
+                        }
+                        str = str (e == "n" || e == "t" || e == "r" ? " " : e); j += 2; continue
+                    }
                     if (d == "\"") break
                     str = str d; j++
                 }
@@ -88,6 +123,13 @@ human_bytes() {
         while (b >= 1000 && i < 5) { b /= 1000; i++ }
         printf(i == 1 ? "%d %s" : "%.1f %s", b, unit[i])
     }'
+}
+
+# SwiftBar reads "|" as the start of a line's parameters, and a leading "-" as a submenu.
+menu_text() {
+    local text="${1//|/¦}"
+    [ "${#text}" -gt 48 ] && text="${text:0:47}…"
+    printf '%s' "$text"
 }
 
 percent() {
@@ -137,10 +179,28 @@ render_down() {
     common_actions
 }
 
+# "Sessions: N" and the newest few with their cached tokens, from GET /v1/cache/sessions.
+render_sessions() {
+    local body="$1" flat n i id tokens model whole=0
+    n="$(printf '%s' "$body" | awk '{ n += gsub(/"last_used":/, "") } END { print n + 0 }')"
+    echo "Sessions: $n"
+    [ "$(printf '%s' "$body" | wc -c)" -le "$SESSIONS_HEAD_BYTES" ] && whole=1
+    flat="$(printf '%s' "$body" | head -c "$SESSIONS_HEAD_BYTES" | flatten_json)"
+    for ((i = 0; i < SESSIONS_SHOWN; i++)); do
+        id="$(field "$flat" "sessions.$i.id")"
+        tokens="$(field "$flat" "sessions.$i.tokens")"
+        [ -n "$id" ] && [ -n "$tokens" ] || break
+        # In a cut-off list, only a session followed by another one was read whole.
+        [ "$whole" = 1 ] || [ -n "$(field "$flat" "sessions.$((i + 1)).id")" ] || break
+        model="$(field "$flat" "sessions.$i.model")"
+        echo "--$(menu_text "$id"): $tokens tokens${model:+ ($(menu_text "$model"))}"
+    done
+}
+
 render_up() {
-    local stats="$1" health="$2"
+    local stats="$1" health="$2" sessions="$3"
     local ratio requests hits misses ram_bytes ram_blocks ssd_bytes ssd_blocks spills reloads
-    local title="⚡ up" models="" i name
+    local title="⚡ up" models="" i name alert
     ratio="$(field "$stats" hit_ratio requests.hit_ratio)"
     requests="$(field "$stats" requests.total requests)"
     hits="$(field "$stats" hits requests.hits)"
@@ -151,6 +211,7 @@ render_up() {
     ssd_blocks="$(field "$stats" ssd.blocks tiers.ssd.blocks cache.ssd.blocks)"
     spills="$(field "$stats" ssd.spills tiers.ssd.spills cache.ssd.spills)"
     reloads="$(field "$stats" ssd.reloads tiers.ssd.reloads cache.ssd.reloads)"
+    alert="$(field "$stats" alert.message)"
     local source="$stats"
     [ -n "$(field "$stats" models.0)" ] || source="$health"
     for i in 0 1 2 3 4 5 6 7; do
@@ -160,9 +221,11 @@ render_up() {
     done
 
     [ -n "$ratio" ] && title="⚡ $(percent "$ratio")"
+    [ -n "$alert" ] && title="$title ⚠"
     echo "$title"
     echo "---"
     echo "mlx-prompt-cache at $URL | href=$URL/health"
+    [ -n "$alert" ] && echo "⚠ ${alert//|/¦} | color=red href=$URL/dashboard"
     [ -n "$ratio" ] && echo "Token hit ratio: $(percent "$ratio")"
     [ -n "$requests" ] && echo "Requests: $requests${hits:+ ($hits hits, ${misses:-0} misses)}"
     if [ -n "$ram_bytes" ]; then
@@ -174,8 +237,9 @@ render_up() {
     [ -n "$spills$reloads" ] && echo "SSD spills/reloads: ${spills:-0}/${reloads:-0}"
     # A "|" in a model name would start SwiftBar's parameter list.
     [ -n "$models" ] && echo "Models: ${models//|/¦}"
+    [ -n "$sessions" ] && render_sessions "$sessions"
     echo "---"
-    echo "Open dashboard | href=$URL/v1/cache/stats"
+    echo "Open dashboard | href=$URL/dashboard"
     echo "Restart | bash=$LAUNCHCTL param1=kickstart param2=-k param3=$SERVICE terminal=false refresh=true"
     echo "Stop | bash=$LAUNCHCTL param1=bootout param2=$SERVICE terminal=false refresh=true"
     local cli
@@ -189,7 +253,7 @@ render_up() {
 main() {
     local stats code rc
     # -w appends the HTTP status on its own line; curl's exit code tells refused from slow.
-    stats="$(curl -s -m 3 -w '\n%{http_code}' "$URL/v1/cache/stats" 2>/dev/null)"
+    stats="$(curl -s -m 3 ${AUTH[@]+"${AUTH[@]}"} -w '\n%{http_code}' "$URL/v1/cache/stats" 2>/dev/null)"
     rc=$?
     case "$rc" in
         0) ;;
@@ -208,9 +272,11 @@ main() {
         common_actions
         return 0
     fi
-    local health
+    local health sessions
     health="$(curl -s -m 2 "$URL/health" 2>/dev/null | flatten_json)"
-    render_up "$(printf '%s' "$stats" | flatten_json)" "$health"
+    # -f: a server without the sessions route (or a refused key) shows no sessions line.
+    sessions="$(curl -sf -m 3 ${AUTH[@]+"${AUTH[@]}"} "$URL/v1/cache/sessions" 2>/dev/null)" || sessions=""
+    render_up "$(printf '%s' "$stats" | flatten_json)" "$health" "$sessions"
 }
 
 main "$@"

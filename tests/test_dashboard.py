@@ -202,6 +202,67 @@ def test_numbers_change_after_a_request(live, page):
     )
     assert text(page, "#ram") != "0 B"
     assert f"of {stats['ssd']['max_bytes'] / 1e9:.1f} GB max" in text(page, "#ssd-detail")
+    # The recent requests table, newest first, with why each one hit or missed.
+    recent = api(live, "/v1/cache/requests?limit=2")["requests"]
+    page.wait_for_selector(f'#recent tr[data-id="{recent[0]["id"]}"]', timeout=WAIT_MS)
+    reasons = page.eval_on_selector_all(
+        "#recent tbody span.reason", "els => els.slice(0, 2).map(e => e.dataset.reason)"
+    )
+    assert reasons == [r["reason"] for r in recent]
+    assert reasons[1] == "new_session"
+    assert page.problems == []
+
+
+@needs_browser
+def test_delete_and_pin_a_session_through_its_buttons(live, page):
+    system = "You are a careful assistant. " * 20  # the prefix both sessions share
+    chat(live, "first question, kept", "dash-keep", system)
+    chat(live, "second question, dropped", "dash-drop", system)
+    kept_before = {s["id"]: s for s in api(live, "/v1/cache/sessions")["sessions"]}["dash-keep"]
+    page.goto(live.url + "/dashboard")
+    row = page.locator('#sessions tr[data-id="dash-drop"]')
+    row.wait_for(timeout=WAIT_MS)
+    delete = row.locator('button[data-action="delete"]')
+    delete.click()
+    assert delete.inner_text() == "Confirm delete"  # one click arms it; nothing is gone yet
+    assert "dash-drop" in {s["id"] for s in api(live, "/v1/cache/sessions")["sessions"]}
+    delete.click()
+    row.wait_for(state="detached", timeout=WAIT_MS)
+    assert text(page, "#flash").startswith("deleted dash-drop (")
+    sessions = {s["id"]: s for s in api(live, "/v1/cache/sessions")["sessions"]}
+    assert "dash-drop" not in sessions
+    assert sessions["dash-keep"]["tokens"] == kept_before["tokens"]  # the shared prefix stays
+
+    keep = page.locator('#sessions tr[data-id="dash-keep"]')
+    keep.locator('button[data-action="pin"]').click()
+    keep.locator('button[data-action="unpin"]').wait_for(timeout=WAIT_MS)
+    assert text(page, "#flash") == "dash-keep pinned"
+    assert {s["id"]: s for s in api(live, "/v1/cache/sessions")["sessions"]}["dash-keep"]["pinned"]
+    keep.locator('button[data-action="unpin"]').click()
+    keep.locator('button[data-action="pin"]').wait_for(timeout=WAIT_MS)
+    sessions = {s["id"]: s for s in api(live, "/v1/cache/sessions")["sessions"]}
+    assert sessions["dash-keep"]["pinned"] is False
+    assert page.problems == []
+
+
+@needs_browser
+def test_alert_banner_shows_when_the_hit_ratio_of_the_last_20_drops(live, page):
+    page.goto(live.url + "/dashboard")
+    repeated = "The same long question, asked again and again. " * 8
+    for _ in range(21):  # fills the alert's window with hits
+        chat(live, repeated, "dash-steady")
+    assert api(live, "/v1/cache/stats")["alert"] is None
+    next_poll(page)
+    assert page.locator("#alert").is_hidden()
+    for i in range(20):  # a new conversation each time: nothing to hit
+        chat(live, f"Question number {i} starts a brand new topic. " * 4, f"dash-new-{i}")
+    alert = api(live, "/v1/cache/stats")["alert"]
+    assert alert is not None and alert["hit_ratio"] < alert["threshold"]
+    # The banner may have come up mid-way (at a higher ratio); it shows the final one.
+    banner = f"⚠ {alert['message']}"
+    until(
+        lambda: page.locator("#alert").is_visible() and text(page, "#alert") == banner, banner, page
+    )
     assert page.problems == []
 
 

@@ -1,4 +1,4 @@
-"""The SwiftBar/xbar plugin against a live stats server and against a closed port."""
+"""The SwiftBar/xbar plugin against a live stats server, the real proxy and a closed port."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import shlex
 import socket
 from pathlib import Path
 
+import httpx
 import pytest
 from aiohttp import web
 
@@ -63,8 +64,8 @@ def sandbox(tmp_path: Path) -> dict[str, str]:
     }
 
 
-async def run_plugin(url: str, sandbox: dict[str, str], *args: str) -> str:
-    env = {k: v for k, v in sandbox.items() if k != "TMP"}
+async def run_plugin(url: str, sandbox: dict[str, str], *args: str, **extra_env: str) -> str:
+    env = {k: v for k, v in sandbox.items() if k != "TMP"} | extra_env
     env["MLX_PROMPT_CACHE_URL"] = url
     proc = await asyncio.create_subprocess_exec(
         "bash",
@@ -80,16 +81,38 @@ async def run_plugin(url: str, sandbox: dict[str, str], *args: str) -> str:
     return out.decode()
 
 
-async def stats_server(aiohttp_server, stats: dict | None, status: int = 200):
+async def stats_server(
+    aiohttp_server,
+    stats: dict | None,
+    status: int = 200,
+    sessions: list[dict] | None = None,
+    key: str | None = None,
+):
+    """Stats and health; GET /v1/cache/sessions only when `sessions` is given; with `key`,
+    the two cache routes answer 401 to a request without 'Authorization: Bearer <key>'."""
+
+    def keyed(handler):
+        async def check(request: web.Request) -> web.Response:
+            if key is not None and request.headers.get("Authorization") != f"Bearer {key}":
+                return web.json_response({"error": {"message": "no key"}}, status=401)
+            return await handler(request)
+
+        return check
+
     async def cache_stats(request: web.Request) -> web.Response:
         return web.json_response(stats, status=status)
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "models": ["demo-llama", "demo-hybrid"]})
 
+    async def list_sessions(request: web.Request) -> web.Response:
+        return web.json_response({"sessions": sessions})
+
     app = web.Application()
-    app.router.add_get("/v1/cache/stats", cache_stats)
+    app.router.add_get("/v1/cache/stats", keyed(cache_stats))
     app.router.add_get("/health", health)
+    if sessions is not None:
+        app.router.add_get("/v1/cache/sessions", keyed(list_sessions))
     server = await aiohttp_server(app)
     return str(server.make_url("")).rstrip("/")
 
@@ -118,7 +141,7 @@ async def test_up_shows_hit_ratio_details_and_actions(aiohttp_server, sandbox):
         ("SSD spills/reloads: 4/2", {}),
         ("Models: demo-llama, demo-hybrid", {}),
         ("---", {}),
-        ("Open dashboard", {"href": f"{url}/v1/cache/stats"}),
+        ("Open dashboard", {"href": f"{url}/dashboard"}),
         (
             "Restart",
             {
@@ -242,3 +265,103 @@ async def test_actions_run_launchctl_with_the_listed_params(aiohttp_server, sand
         assert await proc.wait() == 0
     log = (Path(sandbox["TMP"]) / "launchctl.log").read_text().splitlines()
     assert log[-2:] == [f"kickstart -k {SERVICE}", f"bootout {SERVICE}"]
+
+
+# ---------------------------------------------------------------------------------------
+# Sessions, the hit-ratio alert and the dashboard link
+
+
+def session(i: int, **fields) -> dict:
+    return {
+        "id": f"s{i}",
+        "tenant": "local",
+        "model": "demo-llama",
+        "last_used": 1_790_000_000.0 - i,
+        "tokens": 1000 * (i + 1),
+        "ram_bytes": 10,
+        "ssd_bytes": 20,
+        "shared_bytes": 30,
+        "pinned": False,
+    } | fields
+
+
+async def test_sessions_count_newest_five_and_the_alert(aiohttp_server, sandbox):
+    sessions = [
+        session(0, id="claude|code ①", model="demo-hybrid"),
+        session(1, id="x" * 80),
+        *(session(i) for i in range(2, 7)),
+    ]
+    alert = {
+        "message": "cache hit ratio 12% over the last 20 requests is below 50%",
+        "hit_ratio": 0.12,
+        "threshold": 0.5,
+        "window": 20,
+    }
+    stats = {"hit_ratio": 0.31, "alert": alert}
+    url = await stats_server(aiohttp_server, stats, sessions=sessions)
+    lines = parse_output(await run_plugin(url, sandbox))
+    assert lines[0] == ("⚡ 31% ⚠", {})
+    assert lines[3] == (f"⚠ {alert['message']}", {"color": "red", "href": f"{url}/dashboard"})
+    texts = [text for text, _ in lines]
+    start = texts.index("Sessions: 7")
+    assert texts[start + 1 : start + 7] == [
+        "--claude¦code ①: 1000 tokens (demo-hybrid)",
+        f"--{'x' * 47}…: 2000 tokens (demo-llama)",
+        "--s2: 3000 tokens (demo-llama)",
+        "--s3: 4000 tokens (demo-llama)",
+        "--s4: 5000 tokens (demo-llama)",
+        "---",
+    ]
+    assert dict(lines)["Open dashboard"] == {"href": f"{url}/dashboard"}
+
+
+async def test_no_alert_and_no_sessions_route_show_neither(aiohttp_server, sandbox):
+    url = await stats_server(aiohttp_server, {"hit_ratio": 0.9, "alert": None})
+    lines = parse_output(await run_plugin(url, sandbox))
+    assert lines[0] == ("⚡ 90%", {})
+    assert not any(t.startswith(("⚠", "Sessions", "--")) and t != "---" for t, _ in lines)
+
+
+async def test_a_long_session_list_is_counted_whole_and_read_only_where_complete(
+    aiohttp_server, sandbox
+):
+    # 4,000 bytes of the list hold about 14 sessions; the count still covers all 300.
+    sessions = [session(i, id=f"session-{i:04d}") for i in range(300)]
+    url = await stats_server(aiohttp_server, {"hit_ratio": 0.5}, sessions=sessions)
+    texts = [t for t, _ in parse_output(await run_plugin(url, sandbox))]
+    start = texts.index("Sessions: 300")
+    shown = texts[start + 1 : start + 6]
+    assert shown == [f"--session-{i:04d}: {1000 * (i + 1)} tokens (demo-llama)" for i in range(5)]
+
+
+async def test_api_key_from_the_environment_is_sent(aiohttp_server, sandbox):
+    url = await stats_server(aiohttp_server, {"hit_ratio": 0.5}, sessions=[session(0)], key="k1")
+    texts = [t for t, _ in parse_output(await run_plugin(url, sandbox))]
+    assert texts[0] == "⚡ error"  # 401 without the key
+    lines = parse_output(await run_plugin(url, sandbox, MLX_PROMPT_CACHE_API_KEY="k1"))
+    assert lines[0] == ("⚡ 50%", {})
+    assert "Sessions: 1" in [t for t, _ in lines]
+
+
+async def test_real_proxy_sessions_match_its_sessions_route(server, sandbox):
+    """The plugin against the real proxy: its session count and newest session are the API's."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    await client.chat.completions.create(
+        model="demo-llama",
+        messages=[{"role": "user", "content": "menu bar plugin test: " + "tokens " * 30}],
+        max_tokens=2,
+        extra_headers={"x-session-id": "menubar-newest"},
+    )
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        r = await http.get("/v1/cache/sessions")
+    assert r.status_code == 200, r.text
+    listed = r.json()["sessions"]
+    lines = parse_output(await run_plugin(server.url, sandbox))
+    texts = [t for t, _ in lines]
+    start = texts.index(f"Sessions: {len(listed)}")
+    newest = listed[0]
+    assert newest["id"] == "menubar-newest"
+    assert texts[start + 1] == f"--menubar-newest: {newest['tokens']} tokens (demo-llama)"
+    assert dict(lines)["Open dashboard"] == {"href": f"{server.url}/dashboard"}

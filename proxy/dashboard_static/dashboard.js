@@ -11,6 +11,7 @@
   const ALERT_WINDOW = 20; // the alert's window: the last 20 cacheable requests
   const KEY_STORE = "mlx-prompt-cache.api-key";
   const CONFIRM_MS = 4000;
+  const FLASH_MS = 10000; // how long the outcome of a button stays up
   const REASONS = {
     hit: "hit",
     new_session: "new session",
@@ -220,7 +221,7 @@
           width: chartWidth("hit-chart"),
           height: 220,
           scales: { x: { time: true }, y: { range: [0, 1] } },
-          axes: [{}, { values: (u, vals) => vals.map((v) => `${Math.round(v * 100)}%`) }],
+          axes: [{}, { size: 50, values: (u, vals) => vals.map((v) => `${Math.round(v * 100)}%`) }],
           series: [
             {},
             { label: "since start", stroke: "#3b6fd8", width: 2, value: (u, v) => pct(v) },
@@ -249,7 +250,7 @@
           width: chartWidth("ttft-chart"),
           height: 220,
           scales: { x: { time: true } },
-          axes: [{}, { values: (u, vals) => vals.map((v) => seconds(v)) }],
+          axes: [{}, { size: 64, values: (u, vals) => vals.map((v) => seconds(v)) }],
           series: [
             {},
             { label: "from RAM", ...point("#1f9d55") },
@@ -316,7 +317,7 @@
       el("td", bytes(s.ram_bytes), "num"),
       el("td", bytes(s.ssd_bytes), "num"),
       el("td", bytes(s.shared_bytes), "num"),
-      el("td", s.pinned ? "📌 pinned" : ""),
+      el("td", s.pinned ? "pinned" : "", s.pinned ? "pinned" : ""),
     );
     const actions = el("td", null, "actions");
     const pin = el("button", s.pinned ? "Unpin" : "Pin");
@@ -385,8 +386,8 @@
     td.append(el("span", `token ${count(r.diverged_at)}${where} `));
     if (r.before || r.after) {
       const code = el("code");
-      code.append(el("span", r.before || ""), el("span", "⟂", "cut"), el("span", r.after || ""));
-      code.title = "cached text ⟂ where this prompt went another way";
+      code.append(el("span", r.before || ""), el("span", "", "cut"), el("span", r.after || ""));
+      td.title = `up to token ${r.diverged_at}: …${r.before || ""}\nthen this prompt: ${r.after || ""}…`;
       td.append(code);
     }
     return td;
@@ -417,6 +418,15 @@
     document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
   }
 
+  let flashTimer = null;
+  function flash(text, error = false) {
+    const note = $("flash");
+    note.textContent = text;
+    note.className = error ? "flash error" : "flash";
+    clearTimeout(flashTimer);
+    flashTimer = setTimeout(() => (note.textContent = ""), FLASH_MS);
+  }
+
   async function sessionAction(button) {
     const { id, action } = button.dataset;
     if (action === "delete" && !(armed && armed.id === id && Date.now() < armed.until)) {
@@ -428,16 +438,14 @@
     const path = `/v1/cache/sessions/${encodeURIComponent(id)}${action === "delete" ? "" : `/${action}`}`;
     button.disabled = true;
     const res = await call(action === "delete" ? "DELETE" : "POST", path);
-    const status = $("status");
     if (res.status === 200) {
-      status.textContent =
+      flash(
         action === "delete"
           ? `deleted ${id} (${bytes(res.body.freed_bytes)} freed)`
-          : `${id} ${res.body.pinned ? "pinned" : "unpinned"}`;
-      status.className = "status";
+          : `${id} ${res.body.pinned ? "pinned" : "unpinned"}`,
+      );
     } else {
-      status.textContent = `${action} ${id}: ${problem(res, path)}`;
-      status.className = "status error";
+      flash(`${action} ${id}: ${problem(res, path)}`, true);
     }
     sessionsKey = "";
     if (inflight) await inflight;
