@@ -66,8 +66,9 @@ class SessionAdmin:
         except OSError:
             return None
 
-    def list(self, tenant: str | None = None) -> list[SessionView]:
-        return self.sessions.views(tenant)
+    async def list(self, tenant: str | None = None) -> list[SessionView]:
+        # Off the event loop: it reads the SSD index for every session's entries.
+        return await asyncio.to_thread(self.sessions.views, tenant)
 
     def _keys(self, session: str, tenant: str | None) -> list[SessionKey]:
         keys = [r.key for r in self.sessions.registry.find(session, tenant)]

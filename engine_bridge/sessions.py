@@ -125,10 +125,11 @@ class SessionCache:
     # ---- views --------------------------------------------------------------------------
 
     def views(self, tenant: str | None = None) -> list[SessionView]:
-        """Every session (of one tenant), most recently used first."""
+        """Every session (of one tenant), most recently used first (any thread: it reads
+        copies of the records, RAM under its lock and the SSD index)."""
         refs = self.registry.references()
         out = []
-        for rec in self.registry.records():
+        for rec in self.registry.snapshot():
             if tenant is None or rec.key.tenant == tenant:
                 out.append(self._view(rec, refs))
         out.sort(key=lambda v: v.last_used, reverse=True)

@@ -45,7 +45,7 @@ def _session_id(request: web.Request) -> str:
 
 
 async def list_sessions(request: web.Request) -> web.Response:
-    views = request.app[ENGINE].session_admin.list(caller_tenant(request))
+    views = await request.app[ENGINE].session_admin.list(caller_tenant(request))
     return web.json_response({"sessions": [asdict(v) for v in views]})
 
 

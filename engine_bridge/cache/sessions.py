@@ -149,8 +149,14 @@ class SessionRegistry:
             return self._records.get(key)
 
     def records(self) -> list[SessionRecord]:
+        """The live records: read their sets only on the MLX thread, which writes them."""
         with self._lock:
             return list(self._records.values())
+
+    def snapshot(self) -> list[SessionRecord]:
+        """Copies of every record, for readers on other threads."""
+        with self._lock:
+            return [r.copy() for r in self._records.values()]
 
     def find(self, session: str, tenant: str | None = None) -> list[SessionRecord]:
         """Every model's record of a client session id, of one tenant or of all."""
