@@ -106,12 +106,15 @@ class SessionAdmin:
 
     async def expire_idle(self) -> int:
         """Delete sessions idle past [cache] session_ttl that are not generating."""
-        keys = self.sessions.idle()
+        if not self.sessions.idle():
+            return 0
         busy = {self._key_of(model, job) for model, job in self._live_jobs()}
-        keys = [k for k in keys if k not in busy]
+        # Chosen again on the MLX thread, where requests note their use: one that came
+        # back since the look above is not idle any more.
+        keys, freed, plan = await self._on_mlx(self.sessions.drop_idle, busy)
         if not keys:
             return 0
-        freed = await self._drop(keys)
+        freed = await asyncio.to_thread(self.sessions.drop_ssd, plan, freed)
         log.info(
             "expired %d idle sessions (session_ttl %.0fs): %d entries, %d bytes freed",
             len(keys), self.sessions.ttl_s, freed.entries, freed.bytes,

@@ -297,6 +297,12 @@ class SessionCache:
 
     # ---- idle expiry --------------------------------------------------------------------
 
+    def drop_idle(self, busy: set[SessionKey]) -> tuple[list[SessionKey], Freed, SSDPlan]:
+        """`drop_ram` the idle sessions but those in `busy` (MLX thread)."""
+        keys = [k for k in self.idle() if k not in busy]
+        freed, plan = self.drop_ram(keys) if keys else (Freed(), SSDPlan())
+        return keys, freed, plan
+
     def idle(self, now: float | None = None) -> list[SessionKey]:
         """Sessions unused for `ttl_s` that are not pinned."""
         if self.ttl_s is None:
