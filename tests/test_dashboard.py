@@ -95,6 +95,21 @@ async def test_unknown_file_is_a_404_naming_the_files_and_paths_never_reach_the_
         assert (await client.get(path)).status == 404, path
 
 
+def test_every_dashboard_file_is_in_the_package_data():
+    """An installed proxy (not an editable checkout) serves the page only if they ship."""
+    import tomllib
+    from fnmatch import fnmatch
+
+    from tests.conftest import REPO
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    globs = config["tool"]["setuptools"]["package-data"]["proxy"]
+    root = REPO / "proxy"
+    files = [p.relative_to(root).as_posix() for p in dashboard.STATIC.rglob("*") if p.is_file()]
+    assert len(files) == len(dashboard.ASSETS) + 1  # the page, and every served file
+    assert [f for f in files if not any(fnmatch(f, g) for g in globs)] == []
+
+
 async def test_page_loads_without_a_key_but_its_data_and_the_passthrough_need_one(app_client):
     client = await app_client(keyed=True)
     assert (await client.get("/dashboard")).status == 200
@@ -242,6 +257,24 @@ def test_delete_and_pin_a_session_through_its_buttons(live, page):
     keep.locator('button[data-action="pin"]').wait_for(timeout=WAIT_MS)
     sessions = {s["id"]: s for s in api(live, "/v1/cache/sessions")["sessions"]}
     assert sessions["dash-keep"]["pinned"] is False
+    assert page.problems == []
+
+
+@needs_browser
+def test_a_session_id_full_of_markup_is_shown_as_text_and_deleted_by_its_button(live, page):
+    hostile = """<img src=x onerror="document.title='owned'"> & "quotes" 'too' %2e%2e"""
+    chat(live, "a question from a hostile client", hostile)
+    page.goto(live.url + "/dashboard")
+    title = page.title()
+    cell = page.locator("#sessions td.id", has_text="onerror")
+    cell.wait_for(timeout=WAIT_MS)
+    assert cell.inner_text() == hostile
+    assert page.locator("#sessions img").count() == 0 and page.title() == title
+    row = page.locator("#sessions tbody tr", has=page.locator("td.id", has_text="onerror"))
+    row.locator('button[data-action="delete"]').click()
+    row.locator('button[data-action="delete"]').click()  # confirm
+    row.wait_for(state="detached", timeout=WAIT_MS)
+    assert hostile not in {s["id"] for s in api(live, "/v1/cache/sessions")["sessions"]}
     assert page.problems == []
 
 
