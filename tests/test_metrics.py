@@ -230,6 +230,38 @@ def test_tenant_labels_are_capped_and_the_rest_count_as_other(server):
     assert {f"t{i:02d}" for i in range(labelled)} <= label_values(after, "requests_total", "tenant")
 
 
+def test_a_client_that_hangs_up_mid_stream_is_still_counted(server):
+    before = scrape(server.url)
+    body = {"model": LLAMA, "max_tokens": 400, "stream": True, "temperature": 0}
+    body["messages"] = [{"role": "user", "content": "Tell me a long story."}]
+    headers = {"x-tenant": "hangup"}
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    deadline = time.monotonic() + 30
+    while True:
+        after = scrape(server.url)
+        counted = sum(
+            v - before.get(k, 0.0)
+            for k, v in after.items()
+            if k[0] == P + "requests_total" and dict(k[1])["tenant"] in ("hangup", "other")
+        )
+        if counted or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert counted == 1
+    # Cancelled, unless the model finished before the hang-up was seen (400 tokens, or EOS).
+    cancelled = delta(after, before, "requests_cancelled_total")
+    generated = sum(
+        v - before.get(k, 0.0)
+        for k, v in after.items()
+        if k[0] == P + "completion_tokens_total" and dict(k[1])["tenant"] in ("hangup", "other")
+    )
+    assert cancelled in (0, 1) and (generated < 400 if cancelled else generated >= 1)
+
+
 def test_api_keys_scope_a_scrape_to_the_keys_tenant(demo_root, tmp_path):
     cache_dir = fresh_cache_dir(demo_root, tmp_path / "cache")
     config = tmp_path / "config.toml"
