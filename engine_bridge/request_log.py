@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from array import array
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
@@ -212,6 +212,8 @@ class RequestLog:
         self._sessions: OrderedDict[tuple[str, str, str], PromptSummary] = OrderedDict()
         self._lock = threading.Lock()
         self.alert = HitRatioAlert(alert_hit_ratio)
+        # Requests by (model, reason) since start: what /metrics counts misses by.
+        self._reasons: Counter[tuple[str, Reason]] = Counter()
 
     def on_done(self, seq: Seq, result: GenerationResult) -> None:
         """Record a finished sequence (the runner's `on_done`)."""
@@ -230,6 +232,7 @@ class RequestLog:
             if req.prefill_only:
                 return  # a warm-up: the session knows its prompt now; it is not a request
             reason = classify(cur, len(prompt.tokens), prev, report, result.used_cache)
+            self._reasons[req.model, reason] += 1
             self._records.append(
                 RequestRecord(
                     id=req.request_id,
@@ -263,6 +266,10 @@ class RequestLog:
                 if len(out) == limit:
                     break
         return out
+
+    def reason_totals(self) -> dict[tuple[str, Reason], int]:
+        with self._lock:
+            return dict(self._reasons)
 
     def alert_state(self) -> dict | None:
         with self._lock:

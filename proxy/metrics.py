@@ -139,6 +139,10 @@ class EngineCollector(Collector):
         if stats.get("ssd") is not None:
             yield from ssd_metrics(stats["ssd"])
         yield from scheduler_metrics(stats["scheduler"])
+        yield reason_metric(self.engine.request_log.reason_totals(), self.engine.has_model)
+        yield gauge(
+            "hit_ratio_alert", "1 while the hit-ratio alert is on", int(bool(stats["alert"]))
+        )
         yield from session_metrics(self.engine.sessions.registry.records(), time.time())
 
 
@@ -211,6 +215,18 @@ def scheduler_metrics(s: dict) -> Iterator[Metric]:
     yield gauge("scheduler_waiting", "Requests waiting for a batch slot", s["waiting"])
     yield gauge("scheduler_kv_bytes", "Live K/V bytes of admitted sequences", s["kv_bytes"])
     yield counter("scheduler_rejected", "Requests refused with 429 (queue full)", s["rejected"])
+
+
+def reason_metric(totals: dict[tuple[str, str], int], served) -> Metric:
+    doc = "Requests by why they hit or missed (GET /v1/cache/requests has each one's)"
+    out = CounterMetricFamily(f"{PREFIX}_request_reasons", doc, labels=["model", "reason"])
+    merged: dict[tuple[str, str], int] = {}
+    for (model, reason), n in totals.items():
+        key = (model if served(model) else OTHER, reason)
+        merged[key] = merged.get(key, 0) + n
+    for labels, n in sorted(merged.items()):
+        out.add_metric(list(labels), n)
+    return out
 
 
 def session_metrics(records: list, now: float) -> Iterator[Metric]:

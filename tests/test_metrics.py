@@ -177,6 +177,12 @@ def test_counters_move_by_what_each_request_got_with_model_tenant_and_source(ser
     assert delta(after, before, "completion_tokens_total", model=LLAMA, tenant="alice") == sum(
         x.completion_tokens for x in answers if x.tenant == "alice"
     )
+    # Why each one hit or missed, as GET /v1/cache/requests lists them.
+    listed = httpx.get(url + "/v1/cache/requests?limit=5", timeout=30).json()["requests"]
+    reasons = Counter(r["reason"] for r in listed)
+    assert reasons["bypass"] == 1 and reasons["new_session"] >= 1
+    for reason, n in reasons.items():
+        assert delta(after, before, "request_reasons_total", model=LLAMA, reason=reason) == n
     errors = "http_errors_total"
     assert delta(after, before, errors, status="400", route="/v1/chat/completions") == 1
     routes = label_values(after, errors, "route")
@@ -199,6 +205,7 @@ def test_counters_move_by_what_each_request_got_with_model_tenant_and_source(ser
     assert value(now, "ssd_budget_bytes") == ssd["max_bytes"] == 10 * 1000**3
     assert value(now, "ssd_write_drops_total", reason="queue_full") == ssd["queue_drops"]
     assert value(now, "ssd_quarantined_files_total") == ssd["quarantined"]
+    assert value(now, "hit_ratio_alert") == (stats["alert"] is not None)
     assert value(now, "scheduler_running") == stats["scheduler"]["running"] == 0
     assert value(now, "scheduler_waiting") == stats["scheduler"]["waiting"] == 0
     listed = httpx.get(url + "/v1/cache/sessions", timeout=30).json()["sessions"]
@@ -300,7 +307,8 @@ def test_openmetrics_is_served_when_asked_for(server):
 
 def _distinct(cls) -> dict:
     """A stats dataclass with every int field set to a different value."""
-    values = {f.name: 1000 + i for i, f in enumerate(fields(cls)) if f.type in ("int", int)}
+    ints = ("int", "int | None")
+    values = {f.name: 1000 + i for i, f in enumerate(fields(cls)) if f.type in ints}
     return asdict(cls(**values))
 
 
