@@ -149,6 +149,8 @@ def page(browser) -> Iterator[Page]:
     # Everything the page or the CSP complained about (502s of routes the test did not
     # expect are "Failed to load resource" lines; those are for the test to judge).
     pg.problems = []
+    pg.requested = []  # every URL the page fetched, to see it asks nothing of anyone else
+    pg.on("request", lambda r: pg.requested.append(r.url))
     pg.on("pageerror", lambda e: pg.problems.append(f"page error: {e}"))
     pg.on(
         "console",
@@ -203,7 +205,8 @@ def test_numbers_change_after_a_request(live, page):
     page.goto(live.url + "/dashboard")
     polled(page, 1)
     before = api(live, "/v1/cache/stats")["requests"]["total"]
-    assert text(page, "#requests") == str(before)
+    assert before == 0  # the first test on this server
+    assert (text(page, "#requests"), text(page, "#hit-ratio")) == ("0", "–")
     prompt = "Tell me about prompt caches. " * 12
     chat(live, prompt, "dash-numbers")
     chat(live, prompt, "dash-numbers")
@@ -226,6 +229,13 @@ def test_numbers_change_after_a_request(live, page):
     assert reasons == [r["reason"] for r in recent]
     assert reasons[1] == "new_session"
     assert page.problems == []
+    # Only this server, only the dashboard's files and the cache routes.
+    paths = {httpx.URL(u).path for u in page.requested}
+    assert {u for u in page.requested if not u.startswith(live.url + "/")} == set()
+    assert {p for p in paths if not p.startswith(("/dashboard", "/v1/cache/"))} == set()
+    # Nor does the browser itself ask for /favicon.ico, which would go to the upstream
+    # (Playwright does not report that request; the server's log does).
+    assert "GET /favicon.ico" not in live.log()
 
 
 @needs_browser

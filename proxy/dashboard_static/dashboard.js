@@ -153,11 +153,13 @@
 
   function renderCards(s) {
     const req = s.requests || {};
-    $("hit-ratio").textContent = pct(s.hit_ratio);
+    $("hit-ratio").textContent = req.prompt_tokens === 0 ? "–" : pct(s.hit_ratio);
     $("hit-detail").textContent =
-      req.prompt_tokens != null
-        ? `${count(req.cached_tokens)} of ${count(req.prompt_tokens)} prompt tokens from cache`
-        : "";
+      req.prompt_tokens === 0
+        ? "no prompt tokens through the cache yet"
+        : req.prompt_tokens != null
+          ? `${count(req.cached_tokens)} of ${count(req.prompt_tokens)} prompt tokens from cache`
+          : "";
     $("requests").textContent = count(req.total != null ? req.total : s.requests);
     $("requests-detail").textContent = `${count(s.hits)} hits, ${count(s.misses)} misses` +
       (req.bypassed ? `, ${count(req.bypassed)} bypassed` : "");
@@ -192,7 +194,8 @@
     const now = Date.now() / 1000;
     const requests = recent.status === 200 ? recent.body.requests || [] : [];
     hitHistory.t.push(now);
-    hitHistory.overall.push(stats.status === 200 ? stats.body.hit_ratio : null);
+    const seen = stats.status === 200 && (stats.body.requests || {}).prompt_tokens !== 0;
+    hitHistory.overall.push(seen ? stats.body.hit_ratio : null);
     hitHistory.recent.push(recent.status === 200 ? recentHitRatio(requests) : null);
     while (hitHistory.t.length && hitHistory.t[0] < now - HISTORY_S) {
       hitHistory.t.shift();
