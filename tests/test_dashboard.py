@@ -310,23 +310,34 @@ def test_alert_banner_shows_when_the_hit_ratio_of_the_last_20_drops(live, page):
 
 
 @needs_browser
-def test_page_asks_for_the_key_on_a_server_that_wants_one(demo_root, tmp_path, page):
+def test_page_asks_for_the_key_and_shows_only_that_tenants_sessions(demo_root, tmp_path, page):
     server = start_server(
         fresh_cache_dir(demo_root, tmp_path / "keyed"),
         *("--host", "0.0.0.0", "--upstream", "http://127.0.0.1:9"),
-        env={"MLX_PROMPT_CACHE_TENANTS_API_KEYS": f"{KEY}=team"},
+        env={"MLX_PROMPT_CACHE_TENANTS_API_KEYS": f"{KEY}=team,sk-other=other"},
     )
     try:
+        for key, session in ((KEY, "team-session"), ("sk-other", "other-session")):
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+            client.chat.completions.create(
+                model="demo-llama",
+                messages=[{"role": "user", "content": "the same question from two tenants"}],
+                max_tokens=1,
+                extra_headers={"x-session-id": session},
+            )
         page.goto(server.url + "/dashboard")
         page.locator("#keyform").wait_for(state="visible", timeout=WAIT_MS)
         assert text(page, "#keynote").startswith("This server wants an API key")
         assert text(page, "#requests") == "–"
         page.fill("#key", KEY)
         page.click("#keyform button[type=submit]")
-        until(lambda: text(page, "#requests") == "0", "the stats", page)
+        team_row = page.locator('#sessions tr[data-id="team-session"]')
+        team_row.wait_for(timeout=WAIT_MS)
         assert text(page, "#keynote") == "Using the API key kept for this tab."
+        assert page.locator("#sessions tbody tr").count() == 1  # not the other tenant's
+        assert text(page, "#sessions-count") == "(1)"
         page.reload()  # sessionStorage keeps it for the tab, not beyond
-        until(lambda: text(page, "#requests") == "0", "the stats", page)
+        team_row.wait_for(timeout=WAIT_MS)
         page.click("#forget")
         until(lambda: text(page, "#keynote").startswith("This server wants"), "refusal", page)
         assert page.problems == []
