@@ -274,6 +274,33 @@ def test_state_changing_session_routes_pass_the_browser_checks(main_server):
     assert r.status_code == 200 and r.json() == {"id": sid, "pinned": False}
 
 
+def test_answers_match_the_documented_schemas(main_server):
+    import jsonschema_rs
+
+    s = main_server
+    doc = httpx.get(s.url + "/openapi.json").json()
+
+    def check(path: str, method: str, status: int, body: dict) -> None:
+        op = doc["paths"][path][method]
+        schema = op["responses"][str(status)]["content"]["application/json"]["schema"]
+        root = {**schema, "components": doc["components"]}
+        jsonschema_rs.Draft202012Validator(root).validate(body)
+
+    chat(s, "documented " * 10, session="documented")
+    r = httpx.get(s.url + SESSIONS)
+    check(SESSIONS, "get", 200, r.json())
+    item = SESSIONS + "/{id}"
+    for tail, name in (("/pin", "/pin"), ("/unpin", "/unpin")):
+        r = httpx.post(sid_url(s, "documented", tail))
+        check(item + name, "post", 200, r.json())
+    r = httpx.post(sid_url(s, "nope", "/pin"))
+    check(item + "/pin", "post", 404, r.json())
+    r = httpx.delete(sid_url(s, "documented"))
+    check(item, "delete", 200, r.json())
+    r = httpx.delete(s.url + "/v1/cache", params={"model": "nope"})
+    check("/v1/cache", "delete", 404, r.json())
+
+
 HOSTILE = ["../x", "a\x00b", "é✓🙂 /x?y#z%", "x" * 10_000, "..", "a/../../b", "."]
 
 
