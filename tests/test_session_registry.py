@@ -154,3 +154,4 @@ def test_the_registry_round_trips_through_its_file(tmp_path):
     )
     assert rec.positions == {c.checkpoint_key(15): 15} and not rec.pinned
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("sessions")) == []
+    assert (tmp_path / "sessions.sqlite3").stat().st_mode & 0o777 == 0o600

@@ -11,6 +11,7 @@ changes, which costs sharing information for new entries, never a wrong answer.
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import struct
 import threading
@@ -70,6 +71,9 @@ class SessionStore:
         self._lock = threading.Lock()  # the janitor's saves and the one at shutdown
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Private, like the index: ids may name people (an email as OpenAI `user`).
+            # SQLite gives its -wal and -shm files the main file's mode.
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
             conn = sqlite3.connect(str(self.path), timeout=5.0, check_same_thread=False)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
