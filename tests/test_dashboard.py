@@ -25,12 +25,16 @@ try:
 except ImportError:  # the test extras bring it
     sync_playwright = None
 
-needs_browser = pytest.mark.skipif(
-    CHROMIUM is None or sync_playwright is None,
-    reason="needs Debian's chromium on PATH (apt-get install chromium; .ci/run installs it) "
-    "and the playwright package (pip install -e '.[test]'); Playwright's own browser "
-    "download is not used",
-)
+if CHROMIUM is None:
+    NO_BROWSER = (
+        "no chromium on PATH: these tests drive Debian's chromium (apt-get install chromium; "
+        ".ci/run installs it), not a browser Playwright downloads"
+    )
+elif sync_playwright is None:
+    NO_BROWSER = "the playwright package is not installed (pip install -e '.[test]')"
+else:
+    NO_BROWSER = ""
+needs_browser = pytest.mark.skipif(bool(NO_BROWSER), reason=NO_BROWSER or "-")
 WAIT_MS = 15_000  # the page polls every 2 s
 KEY = "sk-dashboard-test"
 
