@@ -14,6 +14,7 @@ from engine_bridge.cache.kinds import EntryKind
 from engine_bridge.cache.manager import CacheManager
 from engine_bridge.cache.session_store import SessionStore
 from engine_bridge.cache.sessions import MAX_CHAINS, SessionKey, SessionRegistry
+from engine_bridge.cache.ssd_offline import offline_clear
 from engine_bridge.cache.tiers import TieredCache
 from engine_bridge.sessions import SessionCache
 from engine_bridge.types import EngineError
@@ -155,3 +156,18 @@ def test_the_registry_round_trips_through_its_file(tmp_path):
     assert rec.positions == {c.checkpoint_key(15): 15} and not rec.pinned
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("sessions")) == []
     assert (tmp_path / "sessions.sqlite3").stat().st_mode & 0o777 == 0o600
+
+
+def test_an_offline_clear_forgets_the_sessions_of_what_it_deleted(tmp_path):
+    registry = SessionRegistry()
+    registry.record(key("a"), Scope("model-a", "t"), BS, session_chain(1).hashes)
+    registry.record(key("b"), Scope("model-b", "t"), BS, session_chain(2).hashes)
+    store = SessionStore(tmp_path)
+    store.save(registry)
+    store.close()
+    offline_clear(tmp_path, model="model-b")
+    left = SessionRegistry()
+    SessionStore(tmp_path).load(left)
+    assert [r.key for r in left.records()] == [key("a")]
+    offline_clear(tmp_path)
+    assert SessionStore(tmp_path).load(SessionRegistry()) == 0

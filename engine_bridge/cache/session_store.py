@@ -152,3 +152,23 @@ class SessionStore:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+
+def forget_sessions(root: Path, model: str | None = None) -> int:
+    """Drop the records of one model fingerprint, or all, when `cache clear` deletes their
+    entries offline; returns how many. SQLite's locking makes this safe beside a server."""
+    path = Path(root) / STORE_NAME
+    if not path.is_file():
+        return 0
+    try:
+        conn = sqlite3.connect(str(path), timeout=5.0)
+        try:
+            with conn:
+                if model is None:
+                    return conn.execute("DELETE FROM sessions").rowcount
+                return conn.execute("DELETE FROM sessions WHERE scope_model=?", (model,)).rowcount
+        finally:
+            conn.close()
+    except sqlite3.Error as e:
+        log.warning("could not clear the session registry at %s: %s", path, e)
+        return 0

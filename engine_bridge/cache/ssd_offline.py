@@ -13,6 +13,7 @@ from pathlib import Path
 
 from engine_bridge.cache import ssd_files as files
 from engine_bridge.cache.index import Index, RawId, is_valid_name
+from engine_bridge.cache.session_store import forget_sessions
 
 
 def offline_ls(root: str | Path) -> list[dict[str, object]]:
@@ -80,6 +81,7 @@ def offline_clear(root: str | Path, model: str | None = None) -> int:
         for path, _ in _files_in(root / files.QUARANTINE):
             _unlink(path)
     files.remove_empty_dirs(root, model)
+    forget_sessions(root, model)  # they referenced what is gone
     return len(removed)
 
 
