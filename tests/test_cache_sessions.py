@@ -343,31 +343,24 @@ def test_hostile_session_and_tenant_ids_stay_data(main_server):
 # ---- clearing ----------------------------------------------------------------------------
 
 
-def test_clear_by_model_then_tenant_then_everything(demo_root, tmp_path):
-    s = start_server(fresh_cache_dir(demo_root, tmp_path / "c"), "--upstream", "http://127.0.0.1:9")
-    try:
-        chat(s, "llama question " * 10, session="l")
-        chat(s, "hybrid question " * 10, session="h", model="demo-hybrid")
-        chat(s, "other tenant question " * 10, session="o", headers={"x-tenant": "other"})
-        wait_ssd_idle(s)
-        r = httpx.delete(s.url + "/v1/cache", params={"model": "demo-hybrid"})
-        assert r.status_code == 200 and r.json()["deleted_entries"] > 0
-        assert set(sessions(s)) == {"l", "o"}
-        assert chat(s, "hybrid question " * 10, model="demo-hybrid")[1] == 0
-        r = httpx.delete(s.url + "/v1/cache", params={"tenant": "other"})
-        assert r.status_code == 200 and r.json()["deleted_entries"] > 0
-        assert "o" not in sessions(s)
-        assert chat(s, "other tenant question " * 10, headers={"x-tenant": "other"})[1] == 0
-        assert chat(s, "llama question " * 10, session="l")[2] == "ram", "untouched"
-        wait_ssd_idle(s)
-        r = httpx.delete(s.url + "/v1/cache")
-        body = r.json()
-        assert r.status_code == 200 and body["deleted_entries"] > 0 and body["freed_bytes"] > 0
-        st = stats(s)
-        assert st["ram"]["blocks"] == st["ram"]["checkpoints"] == 0
-        assert st["ssd"]["entries"] == 0 and sessions(s) == {}
-    finally:
-        s.stop()
+def test_clear_by_model_then_by_tenant_leaves_the_rest(main_server):
+    s = main_server
+    llama = ("llama clear question " * 10, "Clear test. " * 20)
+    chat(s, llama[0], session="clear-l", system=llama[1])
+    chat(s, "swa clear question " * 10, session="clear-w", model="demo-swa")
+    chat(s, "tenant clear question " * 10, session="clear-t", headers={"x-tenant": "clearing"})
+    wait_ssd_idle(s)
+    r = httpx.delete(s.url + "/v1/cache", params={"model": "demo-swa"})
+    assert r.status_code == 200 and r.json()["deleted_entries"] > 0
+    listed = sessions(s)
+    assert "clear-w" not in listed and {"clear-l", "clear-t"} <= set(listed)
+    assert chat(s, "swa clear question " * 10, model="demo-swa")[1] < BS
+    r = httpx.delete(s.url + "/v1/cache", params={"tenant": "clearing"})
+    assert r.status_code == 200 and r.json()["deleted_entries"] > 0
+    assert "clear-t" not in sessions(s)
+    assert chat(s, "tenant clear question " * 10, headers={"x-tenant": "clearing"})[1] < BS
+    again = chat(s, llama[0], session="clear-l", system=llama[1])
+    assert again[2] == "ram" and again[1] > BS, "another model and tenant: untouched"
 
 
 # ---- pinning -----------------------------------------------------------------------------
@@ -481,7 +474,9 @@ def test_a_tenant_sees_and_deletes_only_its_own_sessions(demo_root, tmp_path):
 # ---- restarts ----------------------------------------------------------------------------
 
 
-def test_after_a_restart_deleting_a_session_keeps_what_another_shares(demo_root, tmp_path):
+def test_after_a_restart_a_delete_keeps_what_another_shares_and_a_clear_empties_all(
+    demo_root, tmp_path
+):
     cache = fresh_cache_dir(demo_root, tmp_path / "c")
     s = start_server(cache, "--upstream", "http://127.0.0.1:9")
     a_user, b_user = "restart apples " * 10, "restart pears " * 10
@@ -504,5 +499,12 @@ def test_after_a_restart_deleting_a_session_keeps_what_another_shares(demo_root,
         assert b2[0] == b1[0]
         a2 = chat(s, a_user, session="a")
         assert a2[1] == shared_hit and a2[0] == a1[0]
+        wait_ssd_idle(s)
+        r = httpx.delete(s.url + "/v1/cache")
+        body = r.json()
+        assert r.status_code == 200 and body["deleted_entries"] > 0 and body["freed_bytes"] > 0
+        st = stats(s)
+        assert st["ram"]["blocks"] == st["ram"]["checkpoints"] == 0
+        assert st["ssd"]["entries"] == 0 and sessions(s) == {}
     finally:
         s.stop()
