@@ -17,6 +17,7 @@ from . import cache_probe, discovery, heap, kv, models
 from .cache.manager import CacheManager
 from .cache.ssd import SSDConfig, SSDStore
 from .cache.tiers import TieredCache
+from .cache.write_policy import SPARSE_PERIODIC_EVERY, WritePolicy
 from .cache_probe import ProbeResult, WarmResult
 from .demo import DEMO_MODEL_IDS
 from .prompt import (
@@ -83,6 +84,11 @@ class EngineSettings:
     ssd_ttl_s: float | None = None
     ssd_queue_size: int = 256
     ssd_write_through: bool = True
+    # When the SSD is written (cache/write_policy.py); None: ssd_write_through decides.
+    ssd_write_policy: WritePolicy | None = None
+    ssd_max_write_per_day: int | None = None  # bytes per UTC day; None: no cap
+    # Checkpoints are written once they stayed the deepest on their path this long.
+    ssd_checkpoint_delay_s: float = 60.0
     # How long shutdown waits for queued SSD writes.
     ssd_drain_s: float = 10.0
     # Warn when the hit ratio of the last 20 cacheable requests falls below this (0: off).
@@ -216,6 +222,7 @@ class Engine:
                     max_bytes=settings.ssd_max_bytes,
                     ttl_s=settings.ssd_ttl_s,
                     queue_size=settings.ssd_queue_size,
+                    max_write_per_day=settings.ssd_max_write_per_day,
                 )
             )
         # One set of tiers for every model: the budget is the machine's, not a model's.
@@ -224,6 +231,9 @@ class Engine:
             ssd,
             kv.HostCodec(),
             write_through=settings.ssd_write_through,
+            policy=settings.ssd_write_policy,
+            checkpoint_delay_s=settings.ssd_checkpoint_delay_s,
+            periodic_write_every=settings.cache_policy.checkpoint_interval * SPARSE_PERIODIC_EVERY,
         )
         self.sessions = SessionCache(
             self.tiers,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine_bridge.cache.write_policy import resolve_write_policy
 from proxy import tomltext
 from proxy.security import check_host_entry, check_origin_entry, is_loopback_bind
 from proxy.tomltext import Origins
@@ -128,8 +129,18 @@ class SsdCacheConfig:
     max_size: str | int = "10GB"
     # None keeps entries until capacity evicts them; else "7d", "12h", "90m" or seconds.
     ttl: str | float | None = None
-    write_through: bool = True
+    # When the SSD is written: "through" (as stored), "evict" (only what RAM evicts) or
+    # "second-use" (once a later request reuses it). None: "through", or write_through's.
+    write_policy: str | None = None
+    # The older switch, an alias: true is "through", false "evict"; an error if it
+    # disagrees with write_policy.
+    write_through: bool | None = None
     queue_size: int = 256
+    # Bytes the SSD tier may write per UTC day ("20GB"); None: no cap. Reads go on.
+    max_write_per_day: str | int | None = None
+    # A checkpoint is written once it has stayed the deepest on its path this long
+    # (superseded ones never are); "60s", "5m" or seconds; 0 writes at once.
+    checkpoint_write_delay: str | float = "60s"
 
     @property
     def path(self) -> Path:
@@ -406,6 +417,19 @@ def _validate(config: Config, origins: Origins) -> None:
     if c.ssd.ttl is not None:
         parses("cache.ssd.ttl", parse_duration, c.ssd.ttl)
     check("cache.ssd.queue_size", c.ssd.queue_size > 0, "must be positive")
+    parses(
+        "cache.ssd.write_policy",
+        lambda v: resolve_write_policy(v, c.ssd.write_through),
+        c.ssd.write_policy,
+    )
+    if c.ssd.max_write_per_day is not None:
+        parses("cache.ssd.max_write_per_day", parse_size, c.ssd.max_write_per_day)
+        check(
+            "cache.ssd.max_write_per_day",
+            parse_size(c.ssd.max_write_per_day) > 0,
+            "must be positive",
+        )
+    parses("cache.ssd.checkpoint_write_delay", parse_duration, c.ssd.checkpoint_write_delay)
     check("tenants.header", bool(config.tenants.header.strip()), "must not be empty")
     for i, rule in enumerate(config.normalization.rules):
         path = ("normalization", "rules", i)

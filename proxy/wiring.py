@@ -7,6 +7,7 @@ from pathlib import Path
 
 import psutil
 
+from engine_bridge.cache.write_policy import resolve_write_policy
 from engine_bridge.engine import EngineSettings
 from engine_bridge.prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from engine_bridge.prompt_cache import CachePolicy
@@ -66,7 +67,11 @@ def engine_settings(config: Config) -> EngineSettings:
         ssd_max_bytes=parse_size(cache.ssd.max_size),
         ssd_ttl_s=parse_duration(cache.ssd.ttl) if cache.ssd.ttl is not None else None,
         ssd_queue_size=cache.ssd.queue_size,
-        ssd_write_through=cache.ssd.write_through,
+        ssd_write_policy=resolve_write_policy(cache.ssd.write_policy, cache.ssd.write_through),
+        ssd_max_write_per_day=None
+        if cache.ssd.max_write_per_day is None
+        else parse_size(cache.ssd.max_write_per_day),
+        ssd_checkpoint_delay_s=parse_duration(cache.ssd.checkpoint_write_delay),
         session_ttl_s=None if cache.session_ttl is None else parse_duration(cache.session_ttl),
         pin_max_bytes=resolve_share_of_ram(
             cache.pin_max, resolve_ram_budget(cache.ram.budget, ram.available), "pin_max"

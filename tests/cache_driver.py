@@ -16,6 +16,7 @@ from typing import Any
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine_bridge import kv
+from engine_bridge.cache.write_policy import SPARSE_PERIODIC_EVERY
 from engine_bridge.engine import Engine, EngineSettings
 from engine_bridge.jobs import Job
 from engine_bridge.prompt import RenderedPrompt
@@ -211,8 +212,9 @@ class _Stored:
 class HitModel:
     """What an unbounded cache holds after the cached requests it was told about.
 
-    RAM thins periodic checkpoints; an SSD tier written through keeps them (once flushed),
-    and a request that needs one promotes it back to RAM.
+    RAM thins periodic checkpoints; an SSD tier written through keeps every
+    `SPARSE_PERIODIC_EVERY`-th of them (once flushed; the others were superseded before
+    they were written), and a request that needs one promotes it back to RAM.
     """
 
     def __init__(self, snapshots: bool, ssd: bool, checkpoint_interval: int = 1024):
@@ -271,7 +273,9 @@ class HitModel:
                 if s.seq[:p] != stored.seq[:p]:
                     continue
                 if p < q and r == "periodic":
-                    s.thinned[p] = s.checkpoints.pop(p)
+                    s.checkpoints.pop(p)
+                    if p % (self.interval * SPARSE_PERIODIC_EVERY) == 0:
+                        s.thinned[p] = r
                 elif p == q and r == "periodic" and reason != "periodic":
                     s.checkpoints[p] = reason
         if not any(q in s.checkpoints and s.seq[:q] == stored.seq[:q] for s in self._stored):

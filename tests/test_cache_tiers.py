@@ -66,6 +66,8 @@ def write(ssd: SSDStore, blocks: range = range(7), checkpoints: tuple[int, ...] 
     writer.store_blocks(c, SCOPE, {i: block(i) for i in blocks})
     for p in checkpoints:
         writer.store_checkpoint(c, SCOPE, p, checkpoint(p), Reason.BOUNDARY)
+        # Written before the next one supersedes it (superseded ones are never written).
+        assert ssd.flush(30.0)
     assert ssd.flush(30.0)
 
 

@@ -71,7 +71,7 @@ def test_defaults():
         "10GB",
         None,
     )
-    assert (ssd.write_through, ssd.queue_size) == (True, 256)
+    assert (ssd.write_policy, ssd.write_through, ssd.queue_size) == (None, None, 256)
     assert ssd.path == Path.home() / ".cache" / "mlx-prompt-cache"
     assert (c.tenants.header, c.tenants.api_keys, c.tenants.default) == ("x-tenant", {}, "local")
     n = c.normalization

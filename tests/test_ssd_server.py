@@ -420,7 +420,9 @@ def _flip_data_bytes(path: Path) -> None:
 
 def test_flipped_truncated_and_deleted_files_are_quarantined_or_ignored(demo_root, tmp_path):
     cache_dir = fresh_cache_dir(demo_root, tmp_path)
-    server = start_server(cache_dir, *NO_UPSTREAM)
+    # Checkpoints written as they are made, so the ones damaged below are the ones read.
+    env = {"MLX_PROMPT_CACHE_CACHE_SSD_CHECKPOINT_WRITE_DELAY": "0"}
+    server = start_server(cache_dir, *NO_UPSTREAM, env=env)
     # One conversation per kind of damage, so each damaged file is on some request's path.
     prompts = {
         "flip": (LLAMA, scripted(system_prompt("flip"), 2)),
@@ -450,7 +452,7 @@ def test_flipped_truncated_and_deleted_files_are_quarantined_or_ignored(demo_roo
     for path in new_files["checkpoints"]:
         _flip_data_bytes(path)
 
-    server = start_server(cache_dir, *NO_UPSTREAM)
+    server = start_server(cache_dir, *NO_UPSTREAM, env=env)
     try:
         (report,) = reconcile_reports(server)
         assert report["rows_dropped"] == 1, report  # the deleted file's row
@@ -565,7 +567,9 @@ def test_disk_fault_falls_back_to_ram_only_with_one_warning(demo_root, tmp_path,
 
 def test_offline_cli_reports_what_the_server_wrote_and_clear_keeps_models(demo_root, tmp_path):
     cache_dir = fresh_cache_dir(demo_root, tmp_path)
-    server = start_server(cache_dir, *NO_UPSTREAM)
+    # No checkpoint held back: what the server reports written is all the close leaves.
+    env = {"MLX_PROMPT_CACHE_CACHE_SSD_CHECKPOINT_WRITE_DELAY": "0"}
+    server = start_server(cache_dir, *NO_UPSTREAM, env=env)
     try:
         for model in (LLAMA, HYBRID):
             Conversation(model, system_prompt("cli")).ask(server.url, _QUESTIONS[0])

@@ -39,6 +39,11 @@ class Checkpoint:
     payload: object = field(repr=False)
     nbytes: int
     ref_cnt: int = 0
+    # A deeper checkpoint on the same path makes this one redundant (supersede.py).
+    superseded: bool = False
+    # The first message boundary on its path (the system prompt's end): never superseded,
+    # and written to SSD at once, since every session of a project resumes there.
+    first_boundary: bool = False
     prev_free: Linked | None = field(default=None, repr=False)
     next_free: Linked | None = field(default=None, repr=False)
 
@@ -103,5 +108,6 @@ class CheckpointStore(GroupedStore):
                     and tokens[start : start + len(ckpt.tail)] == ckpt.tail
                 ):
                     self.remove(ckpt)
+                    ckpt.superseded = True  # so a write still waiting for it is dropped
                     thinned.append(ckpt)
         return thinned

@@ -20,6 +20,7 @@ from engine_bridge.cache.hashing import BLOCK_SIZE, BlockHash, Chain
 from engine_bridge.cache.kinds import EntryKind, Reason
 from engine_bridge.cache.matching import Match, find_match
 from engine_bridge.cache.pool import Block, BlockPool, FreeQueue
+from engine_bridge.cache.supersede import mark_superseded
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class CacheStats:
     thinned_checkpoints: int
     reserve_failures: int
     spill_errors: int
+    superseded_checkpoints: int = 0  # moved to the head of the LRU queue (supersede.py)
 
 
 def _payload_nbytes(payload: object) -> int:
@@ -92,6 +94,7 @@ class CacheManager:
         self._thinned = 0
         self._reserve_failures = 0
         self._spill_errors = 0
+        self._superseded = 0
         # What eviction dropped lately, so a later miss can say it was evicted.
         self.evicted = EvictionRecord()
 
@@ -146,6 +149,7 @@ class CacheManager:
             self._pool.acquire(block)
         if match.checkpoint is not None:
             self._checkpoints.acquire(match.checkpoint)
+            match.checkpoint.superseded = False  # reused: live again
         match.pinned = True
 
     def release(self, match: Match) -> None:
@@ -208,6 +212,7 @@ class CacheManager:
                 self._checkpoints.refresh(ckpt)
             thinned = self._checkpoints.thin(chain, ckpt) if self.thin_periodic else []
             self._thinned += len(thinned)
+            self._superseded += mark_superseded(self._pool, self._checkpoints, chain, ckpt)
             evicted = self._evict_to_budget()
         self._spill(evicted)
         return InsertResult(int(created), int(not created), len(thinned), len(evicted))
@@ -342,4 +347,5 @@ class CacheManager:
                 thinned_checkpoints=self._thinned,
                 reserve_failures=self._reserve_failures,
                 spill_errors=self._spill_errors,
+                superseded_checkpoints=self._superseded,
             )

@@ -96,6 +96,17 @@ class FreeQueue:
         self._len += 1
         self.nbytes += node.nbytes
 
+    def appendleft(self, node: Linked) -> None:
+        """Make `node` the next entry to evict."""
+        assert node.prev_free is None and node.next_free is None, f"{node!r} is already queued"
+        first = self._head.next_free
+        first.prev_free = node
+        node.next_free = first
+        node.prev_free = self._head
+        self._head.next_free = node
+        self._len += 1
+        self.nbytes += node.nbytes
+
     def popleft(self) -> Any:
         """Remove and return the least recently used entry."""
         node = self._head.next_free

@@ -35,6 +35,7 @@ from engine_bridge.cache.ssd_maintenance import ReconcileReport
 from engine_bridge.cache.ssd_offline import offline_clear, offline_ls, offline_stats
 from engine_bridge.cache.ssd_writer import Job, Writer
 from engine_bridge.cache.tensors import HostTensor
+from engine_bridge.cache.wear import WEAR_FILE, WearMeter
 
 __all__ = [
     "PutOutcome",
@@ -72,6 +73,8 @@ class SSDConfig:
     retry_s: float = 1.0  # first probe after a failed write; then doubling, up to maintenance
     # "background": the store is usable at once and the writer reconciles first.
     reconcile: Literal["background", "sync", "off"] = "background"
+    # Bytes the tier may write per UTC day; None: no cap (see wear.py).
+    max_write_per_day: int | None = None
 
 
 @dataclass(slots=True)
@@ -110,6 +113,13 @@ class SSDStats:
     resumes: int = 0  # times writing came back after a failed write had turned it off
     disabled: bool = False
     disabled_reason: str | None = None
+    # Wear (wear.py): bytes written today (UTC), kept across restarts, and the daily cap.
+    written_today_bytes: int = 0
+    max_write_per_day: int | None = None
+    write_capped: bool = False
+    capped_drops: int = 0
+    superseded_skips: int = 0  # checkpoints a deeper one replaced before they were written
+    write_history: list = field(default_factory=list)
 
 
 class SSDEntry(NamedTuple):
@@ -125,12 +135,13 @@ class _Counters:
     latencies_ms: deque = field(default_factory=lambda: deque(maxlen=_LATENCY_WINDOW))
 
 
+# Int fields of SSDStats that are not counters kept here (totals, gauges, the wear meter's).
+_NOT_COUNTERS = (
+    "entries", "bytes", "max_bytes", "queued", "folder_losses", "resumes",
+    "bytes_read", "written_today_bytes", "capped_drops",
+)  # fmt: skip
 _COUNTER_NAMES = tuple(
-    f.name
-    for f in fields(SSDStats)
-    if f.type == "int"
-    and f.name
-    not in ("entries", "bytes", "max_bytes", "bytes_read", "queued", "folder_losses", "resumes")
+    f.name for f in fields(SSDStats) if f.type == "int" and f.name not in _NOT_COUNTERS
 )
 
 
@@ -149,9 +160,13 @@ class SSDStore:
         self.last_reconcile: ReconcileReport | None = None
         # Set by the tier above (TieredCache); called on the writer thread.
         self.on_lost: OnLost | None = None
+        # Set by the tier above; called on the writer thread about once a second (it queues
+        # held-back checkpoint writes that are due, see checkpoint_writes.py).
+        self.on_tick: Callable[[], object] | None = None
         # What LRU eviction and the TTL deleted lately, so a later miss can say which.
         self.evicted = EvictionRecord()
         self._next_check = 0.0
+        self.wear = WearMeter(self.root / WEAR_FILE, config.max_write_per_day)
         self._watch = health.FolderWatch(
             self.root,
             health.Retry(config.retry_s, max(config.retry_s, config.maintenance_interval_s)),
@@ -188,19 +203,24 @@ class SSDStore:
         tokens: int = 0,
         tags: str = "",
         reason: PutReason = "write_through",
+        skip: Callable[[], bool] | None = None,
     ) -> PutOutcome:
         """Queue an entry for writing; never blocks, never raises on I/O.
 
         The tensors' bytes must not change afterwards (they are written later, by reference).
+        `skip()`, asked by the writer just before it writes, drops an entry that has become
+        useless while it waited (a checkpoint superseded by a deeper one).
         """
         assert isinstance(kind, EntryKind), f"kind {kind!r} is not an EntryKind"
         assert reason in ("spill", "write_through"), f"reason {reason!r}"
         assert len(key) == 32, f"entry key must be 32 bytes, got {len(key)}"
         if self._disabled_reason is not None:
             return self._count("disabled_drops", "disabled")
+        if not self.wear.allow():
+            return "dropped"  # today's write cap is reached; reads go on
         rid = (scope.model, scope.tenant, kind, key)
         nbytes = sum(t.nbytes for t in tensors.values())
-        job = Job(rid, dict(tensors), dict(meta or {}), tokens, tags, reason, nbytes)
+        job = Job(rid, dict(tensors), dict(meta or {}), tokens, tags, reason, nbytes, skip)
         admission = self._writer.submit(job)
         if admission == "closed":
             return self._count("disabled_drops", "disabled")
@@ -289,6 +309,7 @@ class SSDStore:
             entries, nbytes = (0, 0) if self._index is None else self._index.totals()
         except sqlite3.Error:
             entries, nbytes = (0, 0)
+        wear = self.wear.stats()
         with self._lock:
             lat = sorted(self._c.latencies_ms)
             c = self._c
@@ -305,6 +326,11 @@ class SSDStore:
                 reload_bytes_per_s=c.read_bytes / c.read_seconds if c.read_seconds else 0.0,
                 disabled=self._disabled_reason is not None,
                 disabled_reason=self._disabled_reason,
+                written_today_bytes=wear.written_today_bytes,
+                max_write_per_day=wear.max_write_per_day,
+                write_capped=wear.capped,
+                capped_drops=wear.capped_drops,
+                write_history=wear.history,
             )
 
     @property
@@ -372,6 +398,12 @@ class SSDStore:
                 log.debug("SSD cache: maintenance skipped: %s", e)
 
     def _tick(self) -> None:
+        self.wear.maybe_save()
+        if self.on_tick is not None:
+            try:
+                self.on_tick()
+            except Exception:
+                log.exception("SSD cache: queueing held-back writes failed")
         now = time.monotonic()
         if now < self._next_check:
             return
@@ -412,6 +444,7 @@ class SSDStore:
     def _shutdown(self) -> None:
         self._reconciled.set()
         try:
+            self.wear.save()
             self._flush_touches()
         finally:
             self._watch.close()
@@ -443,6 +476,11 @@ class SSDStore:
         except sqlite3.Error as e:
             self._disable(f"index unusable: {e}")
             return
+        if job.skip is not None and job.skip():
+            self._count("superseded_skips", None)
+            return
+        if not self.wear.allow():
+            return
         now = time.time()
         head, chunks = encode(
             key, job.tensors, job.meta, tokens=job.tokens, tags=job.tags, created=now,
@@ -472,6 +510,7 @@ class SSDStore:
             v["writes"] += 1
             v["bytes_written"] += size
             v["spills" if job.reason == "spill" else "write_throughs"] += 1
+        self.wear.record(size)
         if index.totals()[1] > self.config.max_bytes:
             self._flush_touches()
             evicted = maintenance.evict_lru(

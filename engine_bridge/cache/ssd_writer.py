@@ -33,6 +33,8 @@ class Job:
     tags: str
     reason: str
     nbytes: int
+    # Asked just before writing: True drops the job (it became useless while it waited).
+    skip: Callable[[], bool] | None = None
 
 
 class Writer:

@@ -16,10 +16,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from engine_bridge.cache.checkpoint_writes import DeferredWrites, has_snapshots, skip_if_superseded
 from engine_bridge.cache.hashing import BlockHash, Chain
 from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
@@ -27,6 +28,7 @@ from engine_bridge.cache.manager import CacheManager, CacheStats, Entry
 from engine_bridge.cache.matching import Match
 from engine_bridge.cache.ssd import PutOutcome, PutReason, SSDStats, SSDStore
 from engine_bridge.cache.tensors import HostTensor
+from engine_bridge.cache.write_policy import WritePolicy
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,8 @@ class Stored:
 
     payload: Any
     scope: Scope
-    on_ssd: bool = False
+    on_ssd: bool = False  # on disk, or on its way there
+    used: bool = False  # a later request restored from it (second-use writes it then)
 
     @property
     def nbytes(self) -> int:
@@ -114,17 +117,27 @@ class TieredCache:
         codec: Codec,
         *,
         write_through: bool = True,
+        policy: WritePolicy | None = None,
+        checkpoint_delay_s: float = 0.0,
+        periodic_write_every: int | None = None,
     ) -> None:
         self.ram = ram
         self.ssd = ssd
         self.codec = codec
-        self.write_through = write_through
+        # When the SSD is written (write_policy.py); `write_through` is the older switch.
+        self.policy = policy or (WritePolicy.THROUGH if write_through else WritePolicy.EVICT)
+        self.write_through = self.policy is WritePolicy.THROUGH
+        # Write-through checkpoints wait this long for a deeper one to supersede them,
+        # except a periodic one every `periodic_write_every` tokens (checkpoint_writes.py).
+        self.deferred = DeferredWrites(checkpoint_delay_s)
+        self.periodic_write_every = periodic_write_every
         # Entries RAM holds that the SSD lost, to put again (see `_ssd_lost`).
         self._rewrite: deque[tuple[EntryKind, BlockHash]] = deque()
         self._rewrite_lock = threading.Lock()
         if ssd is not None:
             ram.on_evict = self._spill
             ssd.on_lost = self._ssd_lost
+            ssd.on_tick = self.deferred.flush
 
     # ---- lookup -------------------------------------------------------------------------
 
@@ -132,6 +145,7 @@ class TieredCache:
         """One look through every tier; reads index rows, never entry files."""
         if self._rewrite:
             self._rewrite_some(_REWRITE_STEP)
+        self.deferred.flush()
         ram = self.ram.match(chain, needs_checkpoint=needs_checkpoint)
         lcp = self.ram.match(chain, needs_checkpoint=False) if needs_checkpoint else ram
         diverged = lcp.length if lcp.diverged and 0 < lcp.length < len(chain) - 1 else None
@@ -227,8 +241,28 @@ class TieredCache:
         """The match to restore from, pinned: the lookup's own when nothing was promoted,
         else a fresh one that reaches into what promotion brought up."""
         if not promoted and hit.ram.length and self.ram.acquire(hit.ram):
-            return hit.ram
-        return self.ram.match(hit.chain, needs_checkpoint=hit.needs_checkpoint, pin=True)
+            match = hit.ram
+        else:
+            match = self.ram.match(hit.chain, needs_checkpoint=hit.needs_checkpoint, pin=True)
+        self._reused(match)
+        return match
+
+    def _reused(self, match: Match) -> None:
+        """A request restores from these entries: second-use writes them now, and so does
+        write-through for a checkpoint it held back (a generation end, or one superseded
+        before it was written and live again now; write_policy.py)."""
+        entries: list[Entry] = [*match.blocks]
+        if match.checkpoint is not None:
+            entries.append(match.checkpoint)
+        for entry in entries:
+            stored = entry.payload
+            stored.used = True
+            if self.ssd is None or stored.on_ssd or self.policy is WritePolicy.EVICT:
+                continue
+            if self.policy is WritePolicy.SECOND_USE or entry.kind is EntryKind.CHECKPOINT:
+                if self.ssd.room <= 0:
+                    break  # the rest goes when RAM evicts it, or on the next reuse
+                self._put(entry, "write_through")
 
     # ---- promotion ----------------------------------------------------------------------
 
@@ -331,22 +365,61 @@ class TieredCache:
         """Insert full blocks of `chain` by index into RAM, and write them through."""
         stored = {i: Stored(p, scope) for i, p in payloads.items()}
         self.ram.insert_blocks(chain, stored)
-        if self.write_through:
+        if self.policy is WritePolicy.THROUGH:
             for i, s in stored.items():
                 self._write(s, EntryKind.BLOCK, chain.hashes[i], chain.block_size, None)
 
     def store_checkpoint(
         self, chain: Chain, scope: Scope, position: int, payload: Any, reason: Reason
     ) -> None:
-        """Insert the state after `position` tokens of `chain`, and write it through."""
+        """Insert the state after `position` tokens of `chain`; with write-through, write it
+        once it has stayed the deepest on its path a while (write_policy.py)."""
         stored = Stored(payload, scope)
         self.ram.insert_checkpoint(chain, position, stored, reason)
-        if self.write_through:
-            key = chain.checkpoint_key(position)
-            self._write(stored, EntryKind.CHECKPOINT, key, position, reason)
+        big = has_snapshots(payload)
+        if self.policy is not WritePolicy.THROUGH or (reason is Reason.GENERATION_END and big):
+            return
+        key = chain.checkpoint_key(position)
+        entry = self.ram.entry(EntryKind.CHECKPOINT, key)
+        if entry is None or entry.payload is not stored or entry.superseded:
+            return  # evicted at once (and spilled), already held, or thinned
+        every = self.periodic_write_every
+        sparse = reason is Reason.PERIODIC and every and position % every == 0
+        # A paged model's checkpoint is at most one block's tail: not worth holding back.
+        if self.deferred.delay_s <= 0 or sparse or not big or entry.first_boundary:
+            # A sparse periodic one is written even once superseded: a crash resumes there.
+            skip = None if sparse else skip_if_superseded(entry)
+            self._write(stored, EntryKind.CHECKPOINT, key, position, reason, skip=skip)
+            return
+        if self.ssd is None:
+            return
+        tensors, meta = self._host(stored, position, reason)
+        stored.on_ssd = True  # on its way: a spill meanwhile must not write it twice
+
+        def put() -> bool:
+            outcome = self.ssd.put(
+                scope, EntryKind.CHECKPOINT, key, tensors, meta, tokens=position, skip=skip_if_superseded(entry)
+            )  # fmt: skip
+            stored.on_ssd = outcome in ("queued", "duplicate")
+            return outcome == "queued"
+
+        self.deferred.add(entry, put)
 
     def _spill(self, entry: Entry) -> None:
-        """RAM eviction hook: write what is not on disk yet instead of losing it."""
+        """RAM eviction hook: write what is not on disk yet instead of losing it, except
+        what no request would restore from (write_policy.py)."""
+        used = entry.payload.used
+        if entry.kind is EntryKind.CHECKPOINT and (
+            entry.superseded
+            or (
+                entry.reason is Reason.GENERATION_END
+                and not used
+                and has_snapshots(entry.payload.payload)
+            )
+        ):
+            return
+        if self.policy is WritePolicy.SECOND_USE and not used:
+            return
         self._put(entry, "spill")
 
     def _put(self, entry: Entry, why: PutReason) -> PutOutcome | None:
@@ -364,16 +437,25 @@ class TieredCache:
         tokens: int,
         reason: Reason | None,
         why: PutReason = "write_through",
+        skip: Callable[[], bool] | None = None,
     ) -> PutOutcome | None:
         if self.ssd is None or stored.on_ssd:
             return None
+        tensors, meta = self._host(stored, tokens, reason)
+        outcome = self.ssd.put(
+            stored.scope, kind, key, tensors, meta, tokens=tokens, reason=why, skip=skip
+        )
+        stored.on_ssd = outcome in ("queued", "duplicate")
+        return outcome
+
+    def _host(
+        self, stored: Stored, tokens: int, reason: Reason | None
+    ) -> tuple[dict[str, HostTensor], dict[str, str]]:
         tensors, meta = self.codec.to_host(stored.payload)
         meta[_META_TOKENS] = str(tokens)
         if reason is not None:
             meta[_META_REASON] = reason.value
-        outcome = self.ssd.put(stored.scope, kind, key, tensors, meta, tokens=tokens, reason=why)
-        stored.on_ssd = outcome in ("queued", "duplicate")
-        return outcome
+        return tensors, meta
 
     # ---- what the SSD lost --------------------------------------------------------------
 
@@ -434,6 +516,7 @@ class TieredCache:
         if self.ssd is None:
             return
         end = time.monotonic() + timeout_s
+        self.deferred.flush(everything=True)
         self.ssd.check_folder(timeout_s / 2)
         # The MLX thread has stopped by now; payloads RAM holds were evaluated when first
         # written, so turning them into host bytes here evaluates nothing new.

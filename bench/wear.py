@@ -1,0 +1,207 @@
+"""SSD wear per agent session: bytes written and RAM held under each write policy, and the
+hit a restart keeps.
+
+Run as `python -m bench.wear --model demo-hybrid --out DIR` (or `--shape qwen3.6-35b-a3b`
+for a layer-scaled build of that shape: real per-layer dimensions, fewer layers and
+experts). It drives an in-process Engine (its own process, like engine_bridge.probes)
+through one session of the bench's agent trace, turn by turn, closes it (a graceful
+restart), opens a new one on the same cache folder and sends the session's next turn and a
+second session's first call; it reports, per policy, the SSD bytes written, the RAM the
+tier holds at the end, the session's final KV and one checkpoint's bytes, and the tokens
+the two requests after the restart got from the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from . import traces
+
+# Layer-scaled shape: 3 Gated DeltaNet layers and 1 attention layer (the real 30 + 10 over
+# 4), 8 experts of 2 per token instead of 256 of 8; everything per layer is the real one.
+SHAPE_OVERRIDES = {
+    "num_hidden_layers": 4,
+    "full_attention_interval": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+}
+SHAPE_REAL_LAYERS = 40
+
+
+def _request(body: dict[str, Any], model: str, max_tokens: int):
+    from engine_bridge.types import GenerationRequest, Sampling
+    from proxy.anthropic_api import build_messages, parse_tools
+
+    return GenerationRequest(
+        model=model,
+        messages=build_messages(body),
+        tools=parse_tools(body),
+        max_tokens=max_tokens,
+        sampling=Sampling(temperature=0.0),
+        tenant="local",
+    )
+
+
+async def _send(engine, req) -> tuple[int, int]:
+    from engine_bridge.types import PromptInfo
+
+    runner, job = await engine.prepare(req)
+    info = None
+    async for event in engine.run(runner, job):
+        if isinstance(event, PromptInfo):
+            info = event
+    assert info is not None
+    return info.prompt_tokens, info.cached_tokens
+
+
+def _settings(cache_dir: Path, model_spec: str, policy: str | None, args) -> Any:
+    from engine_bridge.engine import EngineSettings
+
+    names = {f.name for f in fields(EngineSettings)}
+    kw: dict[str, Any] = {
+        "cache_dir": cache_dir,
+        "model_specs": [model_spec],
+        "ram_budget_bytes": args.ram_budget,
+    }
+    if "ssd_write_policy" in names:  # after this change; before it, write_through only
+        from engine_bridge.cache.write_policy import WritePolicy
+
+        kw["ssd_write_policy"] = WritePolicy(policy)
+        kw["ssd_checkpoint_delay_s"] = args.checkpoint_delay
+    else:
+        assert policy in ("through", "evict"), f"{policy} needs the new code"
+        kw["ssd_write_through"] = policy == "through"
+    return EngineSettings(**kw)
+
+
+def _kv_and_checkpoint_bytes(engine) -> tuple[int, int]:
+    """Bytes of the RAM tier's blocks, and of its largest checkpoint (one checkpoint)."""
+    entries = engine.tiers.ram.entries()
+    blocks = sum(e.nbytes for e in entries if e.kind.value == "blocks")
+    ckpts = [e.nbytes for e in entries if e.kind.value == "checkpoints"]
+    return blocks, max(ckpts, default=0)
+
+
+def run_policy(policy: str, model_spec: str, model_id: str, root: Path, args) -> dict[str, Any]:
+    from engine_bridge.engine import Engine
+
+    trace = traces.agent_trace(
+        args.seed,
+        (args.turns + 1, 1),
+        system_chars=args.system_chars,
+        tool_detail_chars=0,
+        result_chars=args.result_chars,
+        compact_tools=True,
+    )
+    session = [c for c in trace.calls if c.session == 0]
+    other = [c for c in trace.calls if c.session == 1]
+    cache_dir = root / f"cache-{policy}"
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    cache_dir.mkdir(parents=True)
+    # Reuse the model build: copy nothing, point at the shared models folder.
+    (cache_dir / "models").symlink_to(root / "models")
+    loop = asyncio.Runner()
+    engine = Engine(_settings(cache_dir, model_spec, policy, args))
+    started = time.perf_counter()
+    prompt = 0
+    for call in session[: args.turns]:
+        prompt, _ = loop.run(_send(engine, _request(call.body, model_id, args.max_tokens)))
+    ram = engine.tiers.ram.stats()
+    kv_bytes, ckpt_bytes = _kv_and_checkpoint_bytes(engine)
+    loop.run(engine.close())
+    ssd = engine.tiers.ssd.stats()
+    session_s = time.perf_counter() - started
+    loop.close()
+    # The restart: a new engine on the same folder sends the session's next turn, another
+    # on a copy of it a second session's first call (each sees only what the disk kept).
+    copy = root / f"cache-{policy}-copy"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(cache_dir, copy, symlinks=True)
+    after = []
+    on_disk = 0
+    for folder, call in ((cache_dir, session[args.turns]), (copy, other[0])):
+        loop = asyncio.Runner()
+        engine = Engine(_settings(folder, model_spec, policy, args))
+        engine.tiers.ssd.wait_reconciled(60)
+        on_disk = engine.tiers.ssd.stats().bytes
+        after.append(loop.run(_send(engine, _request(call.body, model_id, args.max_tokens))))
+        loop.run(engine.close())
+        loop.close()
+    return {
+        "policy": policy,
+        "turns": args.turns,
+        "final_prompt_tokens": prompt,
+        "ssd_bytes_written": ssd.bytes_written,
+        "ssd_writes": ssd.writes,
+        "ssd_bytes_on_disk": on_disk,
+        "superseded_skips": getattr(ssd, "superseded_skips", None),
+        "ram_bytes": ram.bytes,
+        "ram_checkpoint_bytes": ram.checkpoint_bytes,
+        "ram_checkpoints": ram.checkpoints,
+        "ram_superseded": getattr(ram, "superseded_checkpoints", None),
+        "final_kv_bytes": kv_bytes,
+        "checkpoint_bytes": ckpt_bytes,
+        "target_bytes": int(1.5 * (kv_bytes + ckpt_bytes)),
+        "restart_prompt_tokens": [a[0] for a in after],
+        "restart_cached_tokens": [a[1] for a in after],
+        "restart_hit_ratio": sum(a[1] for a in after) / sum(a[0] for a in after),
+        "session_s": session_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.wear", description=__doc__)
+    p.add_argument("--model", default="demo-hybrid")
+    p.add_argument("--shape", help="build this shape layer-scaled instead of --model")
+    p.add_argument("--policies", default="through,evict,second-use")
+    p.add_argument("--turns", type=int, default=50)
+    p.add_argument("--result-chars", type=int, default=300)
+    p.add_argument("--system-chars", type=int, default=3000)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--ram-budget", type=int, default=8 << 30)
+    p.add_argument("--checkpoint-delay", type=float, default=60.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench-out/wear"))
+    p.add_argument("--label", default="", help="a name for this run in the output file")
+    args = p.parse_args(argv)
+    root = args.out.resolve()
+    (root / "models").mkdir(parents=True, exist_ok=True)
+    scale = 1.0
+    if args.shape:
+        from engine_bridge.probes import build_shape
+
+        path = build_shape(args.shape, root, SHAPE_OVERRIDES)
+        spec, model_id = str(path), path.name
+        scale = SHAPE_REAL_LAYERS / SHAPE_OVERRIDES["num_hidden_layers"]
+    else:
+        from engine_bridge.demo import ensure_demo_model
+
+        ensure_demo_model(args.model, root)
+        spec = model_id = args.model
+    rows = []
+    for policy in args.policies.split(","):
+        row = run_policy(policy, spec, model_id, root, args)
+        row["layer_scale"] = scale
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    label = args.label or "run"
+    out = root / f"wear-{label}.json"
+    out.write_text(
+        json.dumps(
+            {"model": model_id, "args": vars(args) | {"out": str(root)}, "rows": rows}, indent=1
+        )
+    )
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
