@@ -191,10 +191,23 @@ def ssd_metrics(ssd: dict) -> Iterator[Metric]:
     yield counter("ssd_written_bytes", "Bytes written to SSD files", ssd["bytes_written"])
     yield counter("ssd_read_bytes", "Bytes read back from SSD files", ssd["bytes_read"])
     yield counter("ssd_writes", "Entries written to SSD", ssd["writes"])
+    yield gauge(
+        "ssd_written_today_bytes", "Bytes written today (UTC day)", ssd["written_today_bytes"]
+    )
+    if ssd["max_write_per_day"] is not None:
+        yield gauge(
+            "ssd_write_cap_bytes", "[cache.ssd] max_write_per_day", ssd["max_write_per_day"]
+        )
+    yield gauge(
+        "ssd_write_capped", "1 while today's write cap stops writes", int(ssd["write_capped"])
+    )
+    doc = "Checkpoints never written: a deeper one replaced them first"
+    yield counter("ssd_superseded_skips", doc, ssd["superseded_skips"])
     drops = {
         "queue_full": ssd["queue_drops"],
         "disabled": ssd["disabled_drops"],
         "oversize": ssd["oversize_drops"],
+        "daily_cap": ssd["capped_drops"],
     }
     doc = "Entries not written: queue full, writes off, or larger than the tier"
     yield by_label(CounterMetricFamily, "ssd_write_drops", doc, "reason", drops)
