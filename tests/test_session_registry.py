@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from engine_bridge.cache.checkpoint_writes import DeferredWrites
 from engine_bridge.cache.hashing import Chain
 from engine_bridge.cache.index import Scope
-from engine_bridge.cache.kinds import EntryKind
+from engine_bridge.cache.kinds import EntryKind, Reason
 from engine_bridge.cache.manager import CacheManager
 from engine_bridge.cache.session_store import SessionStore
 from engine_bridge.cache.sessions import MAX_CHAINS, SessionKey, SessionRegistry
@@ -25,9 +26,10 @@ SCOPE = Scope("m", "t")
 SYSTEM = list(range(100, 108))  # two blocks every session shares
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Payload:
     nbytes: int
+    on_ssd: bool = False  # what the tiers' Stored payload carries
 
 
 def key(name: str) -> SessionKey:
@@ -171,3 +173,17 @@ def test_an_offline_clear_forgets_the_sessions_of_what_it_deleted(tmp_path):
     assert [r.key for r in left.records()] == [key("a")]
     offline_clear(tmp_path)
     assert SessionStore(tmp_path).load(SessionRegistry()) == 0
+
+
+def test_a_deleted_sessions_checkpoint_waiting_to_be_written_is_never_written(sessions):
+    ram = sessions.tiers.ram
+    c = stored(sessions, "a", 1)
+    ram.insert_checkpoint(c, 14, Payload(50), Reason.PROMPT_END)
+    sessions.note(key("a"), SCOPE, BS, c.hashes, (c.checkpoint_key(14), 14))
+    entry = ram.entry(EntryKind.CHECKPOINT, c.checkpoint_key(14))
+    written = []
+    deferred = DeferredWrites(delay_s=60)
+    deferred.add(entry, lambda: written.append(entry) or True)
+    freed, _ = sessions.drop_ram([key("a")])
+    assert (freed.entries, freed.bytes) == (5, 450)
+    assert deferred.flush(everything=True) == 0 and written == []

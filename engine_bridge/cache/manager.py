@@ -322,6 +322,8 @@ class CacheManager:
                 entry = (self._pool if kind is EntryKind.BLOCK else self._checkpoints).get(key)
                 if entry is not None and entry.ref_cnt == 0:
                     self._forget(entry)
+                    if kind is EntryKind.CHECKPOINT:
+                        entry.superseded = True  # a write still waiting for it is dropped
                     n += 1
                     nbytes += entry.nbytes
         return n, nbytes
