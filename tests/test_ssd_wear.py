@@ -222,3 +222,23 @@ def test_a_generation_end_checkpoint_is_written_only_once_a_request_reuses_it(tm
         assert match.length == 29
         t.ram.release(match)
         assert on_disk(ssd, EntryKind.CHECKPOINT, [key]) == [True]
+
+
+def test_config_keys_reach_the_engine_and_a_disagreeing_alias_is_refused(tmp_path):
+    from proxy.config import ConfigError, load_config
+    from proxy.wiring import engine_settings
+
+    path = tmp_path / "config.toml"
+    path.write_text(
+        '[cache.ssd]\nwrite_through = false\nmax_write_per_day = "2GB"\n'
+        'checkpoint_write_delay = "5m"\n'
+    )
+    settings = engine_settings(load_config(path, {}, {}))
+    assert (
+        settings.ssd_write_policy,
+        settings.ssd_max_write_per_day,
+        settings.ssd_checkpoint_delay_s,
+    ) == (WritePolicy.EVICT, 2 * 1000**3, 300.0)
+    path.write_text('[cache.ssd]\nwrite_policy = "second-use"\nwrite_through = true\n')
+    with pytest.raises(ConfigError, match="cache.ssd.write_policy: .*disagrees with write_through"):
+        load_config(path, {}, {})

@@ -7,12 +7,13 @@
 - `evict`: only what RAM evicts is written (and nothing at close): the fewest writes, and a
   restart keeps only what had been evicted.
 - `second-use`: an entry is written the first time a later request reuses it; RAM evicts
-  never-reused entries without writing them (measured: spilling them too writes as much as
-  `evict` and brings back nothing a restart uses, see README "SSD wear").
+  never-reused entries without writing them (writing them too would add everything
+  `evict` writes, for entries no request has come back to).
 
 Whatever the policy, a checkpoint superseded by a deeper one on the same path is never
 written, and a generation-end checkpoint (state after the model's own output, which a
-client's next turn rarely sends back verbatim) is written only once a request reuses it.
+client's next turn rarely sends back verbatim) with snapshot state is written only once a
+request reuses it.
 """
 
 from __future__ import annotations
