@@ -9,6 +9,7 @@ event) is raised from `Engine.start`, the boundary itself.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,10 +271,13 @@ async def test_engine_4xx_names_its_field_in_both_dialects(app, monkeypatch):
 # What the proxy hands the engine: the session, token prompts
 
 
+# A client that names no session gets one from its first user message, the same each turn.
+FIRST_USER = "h-" + hashlib.sha256(b"hi").hexdigest()[:16]
+
 SESSION_CASES = [
     # (route, headers, extra body, expected session)
-    ("/v1/messages", {}, {}, ""),
-    ("/v1/chat/completions", {}, {}, ""),
+    ("/v1/messages", {}, {}, FIRST_USER),
+    ("/v1/chat/completions", {}, {}, FIRST_USER),
     ("/v1/messages", {}, {"metadata": {"user_id": "u1"}}, "u1"),
     ("/v1/chat/completions", {}, {"user": "u2"}, "u2"),
     ("/v1/completions", {}, {"user": "u3"}, "u3"),
@@ -287,8 +291,10 @@ SESSION_CASES = [
         "cc",
     ),
     ("/v1/chat/completions", {"X-Claude-Code-Session-Id": "cc"}, {"user": "u2"}, "cc"),
-    ("/v1/messages", {}, {"metadata": {}}, ""),
-    ("/v1/messages", {}, {"metadata": {"user_id": None}}, ""),
+    ("/v1/messages", {}, {"metadata": {}}, FIRST_USER),
+    ("/v1/messages", {}, {"metadata": {"user_id": None}}, FIRST_USER),
+    # A legacy completion has no messages: no conversation to name it after.
+    ("/v1/completions", {}, {}, ""),
 ]
 
 
