@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import logging
 import time
@@ -196,6 +197,10 @@ class Engine:
     def __init__(self, settings: EngineSettings):
         self.settings = settings
         self._entries: dict[str, ModelEntry] = {}
+        # Every tokenizer call runs on this one thread. Hugging Face tokenizers keep a BPE
+        # word cache per thread, so on the shared pool each of its threads filled its own:
+        # the load soak's RSS crept ~5 MB a minute until all of them were full.
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, "tokenize")
         self.requests = RequestStats()
         # The last requests with why each missed, and the hit-ratio alert.
         self.request_log = RequestLog(settings.alert_hit_ratio)
@@ -405,12 +410,12 @@ class Engine:
                     f"token id {bad[0]} is outside the model's vocabulary of {vocab} tokens",
                     field="prompt",
                 )
-            text = await asyncio.to_thread(loaded.tokenizer.decode, req.prompt_tokens)
+            text = await self._tokenize(loaded.tokenizer.decode, req.prompt_tokens)
             prompt = RenderedPrompt(list(req.prompt_tokens), text, [0], [0])
         elif req.messages is not None:
             prompt = await self._render_chat(loaded, req)
         else:
-            prompt = await asyncio.to_thread(render_completion, loaded.tokenizer, req.prompt or "")
+            prompt = await self._tokenize(render_completion, loaded.tokenizer, req.prompt or "")
         n = len(prompt.tokens)
         ctx = loaded.context_length
         if n == 0:
@@ -482,7 +487,7 @@ class Engine:
     async def _render_chat(
         self, loaded: models.LoadedModel, req: GenerationRequest
     ) -> RenderedPrompt:
-        return await asyncio.to_thread(
+        return await self._tokenize(
             render_chat,
             loaded.tokenizer,
             req.messages or [],
@@ -519,9 +524,13 @@ class Engine:
     async def _on_mlx(self, fn, *args):
         return await self.scheduler.run(fn, *args)
 
+    async def _tokenize(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
     async def close(self) -> None:
         # Cancels what is running or queued; each cancelled request still saves its cache.
         await asyncio.to_thread(self.scheduler.close)
         # Drain queued writes (bounded), so a clean shutdown loses nothing computed.
         await asyncio.to_thread(self.tiers.close, self.settings.ssd_drain_s)
         await asyncio.to_thread(self.sessions.close)
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
