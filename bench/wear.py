@@ -90,6 +90,26 @@ def _kv_and_checkpoint_bytes(engine) -> tuple[int, int]:
     return blocks, max(ckpts, default=0)
 
 
+def _files_by_kind(root: Path) -> dict[str, list[int]]:
+    """{kind: [files, bytes]} of the entry files under `root`."""
+    out = {"blocks": [0, 0], "checkpoints": [0, 0]}
+    for kind, counts in out.items():
+        for f in root.glob(f"*/*/{kind}/*/*.safetensors"):
+            counts[0] += 1
+            counts[1] += f.stat().st_size
+    return out
+
+
+def _ram_by_kind(entries) -> dict[str, list[int]]:
+    """{kind: [entries, bytes]} held in RAM, checkpoints also split live / superseded."""
+    out = {"blocks": [0, 0], "checkpoints": [0, 0], "superseded": [0, 0]}
+    for e in entries:
+        key = e.kind.value if not getattr(e, "superseded", False) else "superseded"
+        out[key][0] += 1
+        out[key][1] += e.nbytes
+    return out
+
+
 def run_policy(policy: str, model_spec: str, model_id: str, root: Path, args) -> dict[str, Any]:
     from engine_bridge.engine import Engine
 
@@ -116,10 +136,13 @@ def run_policy(policy: str, model_spec: str, model_id: str, root: Path, args) ->
         prompt, _ = loop.run(_send(engine, _request(call.body, model_id, args.max_tokens)))
     ram = engine.tiers.ram.stats()
     kv_bytes, ckpt_bytes = _kv_and_checkpoint_bytes(engine)
+    ram_entries = engine.tiers.ram.entries()
     loop.run(engine.close())
     ssd = engine.tiers.ssd.stats()
     session_s = time.perf_counter() - started
     loop.close()
+    written = _files_by_kind(cache_dir)  # what the session left on disk, before the restart
+    ram_by_kind = _ram_by_kind(ram_entries)
     # The restart: a new engine on the same folder sends the session's next turn, another
     # on a copy of it a second session's first call (each sees only what the disk kept).
     copy = root / f"cache-{policy}-copy"
@@ -142,6 +165,8 @@ def run_policy(policy: str, model_spec: str, model_id: str, root: Path, args) ->
         "ssd_bytes_written": ssd.bytes_written,
         "ssd_writes": ssd.writes,
         "ssd_bytes_on_disk": on_disk,
+        "ssd_files": written,
+        "ram_by_kind": ram_by_kind,
         "superseded_skips": getattr(ssd, "superseded_skips", None),
         "ram_bytes": ram.bytes,
         "ram_checkpoint_bytes": ram.checkpoint_bytes,
