@@ -370,7 +370,7 @@ def test_a_tiny_ram_budget_evicts_and_answers_stay_equal_to_bypass(demo_root, tm
         # Round two finds its prompts evicted from RAM: the SSD tier, if any, serves them
         # whole; without one, only a few template tokens shared by all prompts are left.
         if ssd:
-            assert sources[8:] == [("ssd", 0)] * 8
+            assert sources[8:] == [("ssd", 0)] * 8, str(sources[8:])
         else:
             assert all(source != "ssd" and left > 300 for source, left in sources[8:])
     finally:

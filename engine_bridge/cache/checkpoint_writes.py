@@ -67,6 +67,15 @@ class DeferredWrites:
             queued += d.put()
         return queued
 
+    def release(self, key: BlockHash) -> bool:
+        """Queue the held write of `key` now (RAM is evicting it, so holding on any longer
+        would leave it nowhere a lookup finds it). Whether it went on the SSD queue."""
+        with self._lock:
+            d = self._items.pop(key, None)
+        if d is None or d.entry.superseded:
+            return False
+        return d.put()
+
 
 def skip_if_superseded(entry: Checkpoint) -> Callable[[], bool]:
     """For the SSD writer: drop a checkpoint superseded while it waited in the queue (then

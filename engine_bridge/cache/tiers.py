@@ -420,6 +420,8 @@ class TieredCache:
             return
         if self.policy is WritePolicy.SECOND_USE and not used:
             return
+        if entry.kind is EntryKind.CHECKPOINT and self.deferred.release(entry.key):
+            return  # a held-back write, due now that RAM lets go of it
         self._put(entry, "spill")
 
     def _put(self, entry: Entry, why: PutReason) -> PutOutcome | None:
