@@ -124,7 +124,7 @@ def paths() -> dict[str, Schema]:
             "delete": _op(
                 "drop every cached entry no request is using, optionally of one model or tenant",
                 "CacheCleared",
-                {"404": "the model is not served here"},
+                {"400": "model is given but empty", "404": "the model is not served here"},
                 [_query("model", "a served model id"), _TENANT],
             )
         },
