@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
 
 from engine_bridge import kv
@@ -20,30 +19,15 @@ from engine_bridge.cache.kinds import EntryKind, Reason
 from engine_bridge.cache.manager import CacheManager, CacheStats
 from engine_bridge.cache.ssd import SSDConfig, SSDStats, SSDStore
 from engine_bridge.cache.tiers import TieredCache
+from tests.tier_payloads import BS, block, checkpoint, make_chain
 
-BS = 4
 SCOPE = Scope("model-t")
 EXTRA = (("model", "model-t"), ("tenant", "default"))
 TOKENS = list(range(200, 230))  # 7 full blocks and 2 tokens
 
 
-def block(i: int) -> kv.BlockPayload:
-    x = mx.full((1, 1, BS, 8), float(i), dtype=mx.float16)
-    return kv.BlockPayload(i * BS, BS, (kv.DenseKV(x, x),))
-
-
-def checkpoint(position: int) -> kv.CheckpointPayload:
-    tail_len = position % BS
-    tail = ()
-    if tail_len:
-        x = mx.full((1, 1, tail_len, 8), float(position), dtype=mx.float16)
-        tail = (kv.DenseKV(x, x),)
-    state = kv.ArraysState((mx.full((1, 3), float(position)), None))
-    return kv.CheckpointPayload(position, BS, tail, (state,))
-
-
 def chain(tokens=TOKENS) -> Chain:
-    return Chain(tokens, BS, EXTRA)
+    return make_chain(tokens, EXTRA)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 
-import mlx.core as mx
 import pytest
 
 from engine_bridge import kv
@@ -21,30 +20,20 @@ from engine_bridge.cache.ssd import SSDConfig, SSDStore
 from engine_bridge.cache.tiers import TieredCache
 from engine_bridge.cache.wear import WEAR_FILE, WearMeter
 from engine_bridge.cache.write_policy import WritePolicy, resolve_write_policy
+from tests import tier_payloads
+from tests.tier_payloads import BS, block, make_chain
 
-BS = 4
 SCOPE = Scope("model-w")
 EXTRA = (("model", "model-w"), ("tenant", "default"))
 TOKENS = list(range(300, 330))  # 7 full blocks and 2 tokens
 
 
-def block(i: int) -> kv.BlockPayload:
-    x = mx.full((1, 1, BS, 8), float(i), dtype=mx.float16)
-    return kv.BlockPayload(i * BS, BS, (kv.DenseKV(x, x),))
-
-
 def checkpoint(position: int) -> kv.CheckpointPayload:
-    tail_len = position % BS
-    tail = ()
-    if tail_len:
-        x = mx.full((1, 1, tail_len, 8), float(position), dtype=mx.float16)
-        tail = (kv.DenseKV(x, x),)
-    state = kv.ArraysState((mx.full((1, 64), float(position)), None))
-    return kv.CheckpointPayload(position, BS, tail, (state,))
+    return tier_payloads.checkpoint(position, state_width=64)
 
 
 def chain(tokens=TOKENS) -> Chain:
-    return Chain(tokens, BS, EXTRA)
+    return make_chain(tokens, EXTRA)
 
 
 def open_ssd(root, **kw) -> SSDStore:
