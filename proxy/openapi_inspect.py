@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
+
+from engine_bridge.request_log import Reason
 
 from .cache_inspect import REQUESTS_DEFAULT, REQUESTS_MAX
 
@@ -10,18 +12,7 @@ Schema = dict[str, Any]
 
 _COUNT = {"type": "integer", "minimum": 0}
 _STRING = {"type": "string"}
-_REASONS = [
-    "hit",
-    "new_session",
-    "evicted_ram",
-    "evicted_ssd",
-    "expired",
-    "history_edited",
-    "system_or_tools_changed",
-    "template_changed",
-    "bypass",
-    "partial",
-]
+_REASONS = list(get_args(Reason))  # the request log's reason classes, one source
 
 
 def _ref(name: str) -> Schema:
