@@ -87,23 +87,20 @@ class FreeQueue:
 
     def append(self, node: Linked) -> None:
         """Make `node` the most recently used entry."""
-        assert node.prev_free is None and node.next_free is None, f"{node!r} is already queued"
-        last = self._tail.prev_free
-        last.next_free = node
-        node.prev_free = last
-        node.next_free = self._tail
-        self._tail.prev_free = node
-        self._len += 1
-        self.nbytes += node.nbytes
+        self._link(self._tail.prev_free, node)
 
     def appendleft(self, node: Linked) -> None:
         """Make `node` the next entry to evict."""
+        self._link(self._head, node)
+
+    def _link(self, prev: Linked, node: Linked) -> None:
+        """Queue `node` right after `prev`."""
         assert node.prev_free is None and node.next_free is None, f"{node!r} is already queued"
-        first = self._head.next_free
-        first.prev_free = node
-        node.next_free = first
-        node.prev_free = self._head
-        self._head.next_free = node
+        after = prev.next_free
+        prev.next_free = node
+        node.prev_free = prev
+        node.next_free = after
+        after.prev_free = node
         self._len += 1
         self.nbytes += node.nbytes
 
