@@ -283,13 +283,29 @@ def read_entry(fd: int, size: int, expect_key: bytes) -> tuple[EntryHeader, dict
             break
         filled = _fill(fd, view, filled, min(size, filled + READ_CHUNK))
     check_digest(header, digest)
-    ro = view.toreadonly()
+    return header, _views(header, view.toreadonly())
+
+
+def decode(buf: bytes | memoryview, expect_key: bytes) -> tuple[EntryHeader, dict]:
+    """Validate a whole entry held in memory (a shared-store value), exactly as `read_entry`
+    validates a file; tensors are views into `buf`."""
+    view = memoryview(buf).toreadonly()
+    size = view.nbytes
+    n = header_length(view[:8], size)
+    header = _parse_for(view[: 8 + n], size, expect_key)
+    digest = _Digest(header.signed_head)
+    for leaf in range(header.data_start, size, LEAF_BYTES):
+        digest.submit(view[leaf : min(leaf + LEAF_BYTES, size)])
+    check_digest(header, digest)
+    return header, _views(header, view)
+
+
+def _views(header: EntryHeader, ro: memoryview) -> dict[str, HostTensor]:
     base = header.data_start
-    tensors = {
+    return {
         name: HostTensor(s.dtype, s.shape, ro[base + s.begin : base + s.end])
         for name, s in header.tensors.items()
     }
-    return header, tensors
 
 
 def verify_file(fd: int, size: int, expect_key: bytes | None = None) -> EntryHeader:
