@@ -12,8 +12,9 @@ from engine_bridge.engine import EngineSettings
 from engine_bridge.prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from engine_bridge.prompt_cache import CachePolicy
 
-from .config import (
-    Config,
+from .config import Config
+from .state import ProxySettings
+from .units import (
     parse_duration,
     parse_size,
     resolve_kv_memory,
@@ -21,7 +22,6 @@ from .config import (
     resolve_ram_budget,
     resolve_share_of_ram,
 )
-from .state import ProxySettings
 
 
 def normalization_rules(config: Config) -> list[NormalizationRule]:

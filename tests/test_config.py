@@ -11,19 +11,21 @@ import pytest
 
 from proxy import config as config_module
 from proxy.config import (
-    RAM_BUDGET_FLOOR,
     Config,
     ConfigError,
     Rule,
     config_to_toml,
     env_var_names,
     load_config,
+)
+from proxy.tomltext import key_lines
+from proxy.units import (
+    RAM_BUDGET_FLOOR,
     parse_duration,
     parse_size,
     resolve_kv_memory,
     resolve_ram_budget,
 )
-from proxy.tomltext import key_lines
 
 REPO = Path(__file__).resolve().parent.parent
 
