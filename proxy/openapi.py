@@ -3,354 +3,30 @@
 Built in code from what the dialect modules accept (proxy/fields.py and the parsers in
 openai_api.py and anthropic_api.py), so a fuzzer driven by it sends the fields and types the
 proxy really reads. Model names are an enum of the models served here: a request for any
-other model goes to the upstream, which this document does not describe.
+other model goes to the upstream, which this document does not describe. Each dialect's
+schemas and each group of admin routes live in an openapi_* module that this one merges.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from aiohttp import web
 
-from . import dashboard, openapi_inspect, openapi_metrics, openapi_sessions
+from . import (
+    dashboard,
+    openapi_anthropic,
+    openapi_inspect,
+    openapi_metrics,
+    openapi_openai,
+    openapi_sessions,
+)
 from .generation import BYPASS_HEADER, SESSION_HEADERS
+from .openapi_schema import ANY_OBJECT, BOOL, COUNT, INT, STRING, Schema, obj, ref
 from .state import ENGINE, SETTINGS
-
-Schema = dict[str, Any]
 
 OPENAPI_VERSION = "3.1.0"
 CACHE_SOURCES = ["ram", "ssd", "shared", "none"]
-
-
-def ref(name: str) -> Schema:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def nullable(schema: Schema) -> Schema:
-    """The proxy reads an explicit null as "not given" for every optional field."""
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def obj(properties: dict[str, Schema], required: Sequence[str] = (), **extra: Any) -> Schema:
-    out: Schema = {"type": "object", "properties": properties, **extra}
-    if required:
-        out["required"] = list(required)
-    return out
-
-
-STRING = {"type": "string"}
-INT = {"type": "integer"}
-COUNT = {"type": "integer", "minimum": 0}
-BOOL = {"type": "boolean"}
-ANY_OBJECT = {"type": "object"}
-
-
-def _openai_schemas() -> dict[str, Schema]:
-    text_part = obj({"type": {"enum": ["text", "input_text"]}, "text": STRING}, ["type", "text"])
-    content = {
-        "description": "A string, or text parts; image and audio parts get a 400",
-        "anyOf": [STRING, {"type": "array", "items": text_part}, {"type": "null"}],
-    }
-    tool_call = obj(
-        {
-            "id": STRING,
-            "type": {"const": "function"},
-            "function": obj(
-                {
-                    "name": STRING,
-                    "arguments": {
-                        "description": "JSON text (as OpenAI sends it) or an object",
-                        "anyOf": [STRING, ANY_OBJECT],
-                    },
-                },
-                ["name"],
-            ),
-        },
-        ["function"],
-    )
-    message = obj(
-        {
-            "role": {"enum": ["system", "developer", "user", "assistant", "tool", "function"]},
-            "content": content,
-            "name": STRING,
-            "reasoning_content": nullable(STRING),
-            "tool_calls": nullable({"type": "array", "items": tool_call}),
-            "tool_call_id": nullable(STRING),
-        },
-        ["role"],
-    )
-    tool = obj(
-        {
-            "type": {"const": "function"},
-            "function": obj(
-                {"name": STRING, "description": STRING, "parameters": ANY_OBJECT}, ["name"]
-            ),
-        },
-        ["function"],
-    )
-    common = {
-        "max_tokens": nullable({"type": "integer", "minimum": 1}),
-        "max_completion_tokens": nullable({"type": "integer", "minimum": 1}),
-        "temperature": nullable({"type": "number", "minimum": 0, "maximum": 2}),
-        "top_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
-        "top_k": nullable({"type": "integer", "minimum": 0}),
-        "min_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
-        "repetition_penalty": nullable({"type": "number", "minimum": 0.01, "maximum": 10}),
-        "seed": nullable({"type": "integer", "description": "taken modulo 2**64"}),
-        "n": nullable({"const": 1, "description": "only 1 is supported"}),
-        "stop": nullable({"anyOf": [STRING, {"type": "array", "items": STRING}]}),
-        "stream": nullable(BOOL),
-        "stream_options": nullable(obj({"include_usage": BOOL})),
-        "user": nullable({**STRING, "description": "session id when no session header"}),
-    }
-    usage = obj(
-        {
-            "prompt_tokens": COUNT,
-            "completion_tokens": COUNT,
-            "total_tokens": COUNT,
-            "prompt_tokens_details": obj({"cached_tokens": COUNT}, ["cached_tokens"]),
-        },
-        ["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"],
-    )
-    finish = {"enum": ["stop", "length", "tool_calls"]}
-    return {
-        "ChatMessage": message,
-        "ChatTool": tool,
-        "ChatCompletionRequest": obj(
-            {
-                "model": ref("LocalModel"),
-                "messages": {"type": "array", "items": ref("ChatMessage"), "minItems": 1},
-                "tools": nullable({"type": "array", "items": ref("ChatTool")}),
-                "tool_choice": {"description": '"none" turns tools off; anything else is auto'},
-                "chat_template_kwargs": nullable(ANY_OBJECT),
-                **common,
-            },
-            ["model", "messages"],
-        ),
-        "CompletionRequest": obj(
-            {
-                "model": ref("LocalModel"),
-                "prompt": {
-                    "description": "text, token ids, or a batch of exactly one of those",
-                    "anyOf": [
-                        STRING,
-                        {"type": "array", "items": COUNT, "minItems": 1},
-                        {"type": "array", "items": STRING, "minItems": 1, "maxItems": 1},
-                    ],
-                },
-                **common,
-            },
-            ["model", "prompt"],
-        ),
-        "Usage": usage,
-        "ChatCompletion": obj(
-            {
-                "id": STRING,
-                "object": {"const": "chat.completion"},
-                "created": INT,
-                "model": STRING,
-                "choices": {
-                    "type": "array",
-                    "items": obj(
-                        {
-                            "index": INT,
-                            "message": obj(
-                                {
-                                    "role": {"const": "assistant"},
-                                    "content": nullable(STRING),
-                                    "reasoning_content": STRING,
-                                    "tool_calls": {"type": "array", "items": tool_call},
-                                },
-                                ["role", "content"],
-                            ),
-                            "finish_reason": finish,
-                        },
-                        ["index", "message", "finish_reason"],
-                    ),
-                },
-                "usage": ref("Usage"),
-            },
-            ["id", "object", "created", "model", "choices", "usage"],
-        ),
-        "Completion": obj(
-            {
-                "id": STRING,
-                "object": {"const": "text_completion"},
-                "created": INT,
-                "model": STRING,
-                "choices": {
-                    "type": "array",
-                    "items": obj(
-                        {"index": INT, "text": STRING, "finish_reason": finish},
-                        ["index", "text", "finish_reason"],
-                    ),
-                },
-                "usage": ref("Usage"),
-            },
-            ["id", "object", "created", "model", "choices", "usage"],
-        ),
-        "OpenAIError": obj(
-            {
-                "error": obj(
-                    {
-                        "message": STRING,
-                        "type": STRING,
-                        "param": {
-                            "description": "the field at fault, when there is one",
-                            "type": ["string", "null"],
-                        },
-                        "code": {"type": ["string", "integer", "null"]},
-                    },
-                    ["message", "type"],
-                )
-            },
-            ["error"],
-        ),
-    }
-
-
-def _anthropic_schemas() -> dict[str, Schema]:
-    text = obj({"type": {"const": "text"}, "text": STRING}, ["type", "text"])
-    text_content = {"anyOf": [STRING, {"type": "array", "items": ref("TextBlock")}]}
-    tool_use = obj(
-        {
-            "type": {"enum": ["tool_use", "server_tool_use"]},
-            "id": STRING,
-            "name": STRING,
-            "input": ANY_OBJECT,
-        },
-        ["type", "name"],
-    )
-    user_blocks = {
-        "anyOf": [
-            ref("TextBlock"),
-            obj(
-                {
-                    "type": {"const": "tool_result"},
-                    "tool_use_id": STRING,
-                    "content": nullable(text_content),
-                    "is_error": BOOL,
-                },
-                ["type"],
-            ),
-        ]
-    }
-    assistant_blocks = {
-        "anyOf": [
-            ref("TextBlock"),
-            obj({"type": {"const": "thinking"}, "thinking": STRING, "signature": STRING}, ["type"]),
-            obj({"type": {"const": "redacted_thinking"}, "data": STRING}, ["type"]),
-            tool_use,
-        ]
-    }
-
-    def message(role: str, blocks: Schema) -> Schema:
-        return obj(
-            {
-                "role": {"const": role},
-                "content": {"anyOf": [STRING, {"type": "array", "items": blocks}]},
-            },
-            ["role", "content"],
-        )
-
-    tool = obj(
-        {
-            "name": STRING,
-            "description": STRING,
-            "type": {
-                "description": "absent or custom; server tool types (web search, ...) are skipped",
-                "type": ["string", "null"],
-            },
-            "input_schema": ANY_OBJECT,
-        },
-        ["name"],
-    )
-    conversation = {
-        "model": ref("LocalModel"),
-        "messages": {
-            "type": "array",
-            "minItems": 1,
-            "items": {
-                "description": "a system message joins the user turn before it",
-                "oneOf": [
-                    message("user", user_blocks),
-                    message("assistant", assistant_blocks),
-                    message("system", ref("TextBlock")),
-                ],
-            },
-        },
-        "system": nullable(text_content),
-        "tools": nullable({"type": "array", "items": ref("AnthropicTool")}),
-        "tool_choice": obj({"type": {"enum": ["auto", "any", "tool", "none"]}, "name": STRING}),
-    }
-    block = {
-        "anyOf": [
-            text,
-            obj({"type": {"const": "thinking"}, "thinking": STRING, "signature": STRING}),
-            obj({"type": {"const": "tool_use"}, "id": STRING, "name": STRING, "input": {}}),
-        ]
-    }
-    return {
-        "TextBlock": text,
-        "AnthropicTool": tool,
-        "MessagesRequest": obj(
-            {
-                **conversation,
-                "max_tokens": {"type": "integer", "minimum": 1},
-                "metadata": nullable(obj({"user_id": nullable(STRING)})),
-                "stop_sequences": nullable({"type": "array", "items": STRING}),
-                "stream": nullable(BOOL),
-                "temperature": nullable({"type": "number", "minimum": 0, "maximum": 1}),
-                "top_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
-                "top_k": nullable({"type": "integer", "minimum": 0}),
-                "thinking": nullable(
-                    obj(
-                        {
-                            "type": {"enum": ["enabled", "disabled", "adaptive"]},
-                            "budget_tokens": INT,
-                        }
-                    )
-                ),
-            },
-            ["model", "messages", "max_tokens"],
-        ),
-        "CountTokensRequest": obj(conversation, ["model", "messages"]),
-        "Message": obj(
-            {
-                "id": STRING,
-                "type": {"const": "message"},
-                "role": {"const": "assistant"},
-                "model": STRING,
-                "content": {"type": "array", "items": block},
-                "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
-                "stop_sequence": {"type": ["string", "null"]},
-                "usage": obj(
-                    {
-                        "input_tokens": COUNT,
-                        "output_tokens": COUNT,
-                        "cache_read_input_tokens": COUNT,
-                        "cache_creation_input_tokens": COUNT,
-                    },
-                    [
-                        "input_tokens",
-                        "output_tokens",
-                        "cache_read_input_tokens",
-                        "cache_creation_input_tokens",
-                    ],
-                ),
-            },
-            ["id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage"],
-        ),
-        "TokenCount": obj({"input_tokens": COUNT}, ["input_tokens"]),
-        "AnthropicError": obj(
-            {
-                "type": {"const": "error"},
-                "error": obj({"type": STRING, "message": STRING}, ["type", "message"]),
-            },
-            ["type", "error"],
-        ),
-    }
 
 
 def _other_schemas(model_ids: Sequence[str]) -> dict[str, Schema]:
@@ -562,8 +238,8 @@ def document(model_ids: Sequence[str], tenant_header: str = "x-tenant") -> Schem
         "paths": paths,
         "components": {
             "schemas": {
-                **_openai_schemas(),
-                **_anthropic_schemas(),
+                **openapi_openai.schemas(),
+                **openapi_anthropic.schemas(),
                 **_other_schemas(model_ids),
                 **openapi_sessions.schemas(),
                 **openapi_inspect.schemas(),
