@@ -305,6 +305,16 @@ class SharedStore:
             self._wake.notify()
         return "queued"
 
+    def accepts(self, nbytes: int) -> bool:
+        """Whether `put` would queue an entry of about `nbytes` now (callers check before
+        they pay for turning a payload into host bytes)."""
+        with self._lock:
+            return (
+                not self._closing
+                and self.health.writes_ok()
+                and self._queued_bytes + nbytes <= self.config.queue_max_bytes
+            )
+
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued write is sent or dropped; False on timeout."""
         end = time.monotonic() + timeout_s
