@@ -15,7 +15,8 @@ from safetensors.numpy import load as load_safetensors
 from bench.shared_relay import DelayRelay
 from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind
-from engine_bridge.cache.shared_store import SharedConfig, SharedStore, redacted
+from engine_bridge.cache.shared_config import SharedConfig, redacted
+from engine_bridge.cache.shared_store import SharedStore
 from engine_bridge.cache.ssd_format import decode
 from engine_bridge.cache.tensors import HostTensor
 from tests.conftest import free_port

@@ -7,7 +7,6 @@ import logging
 import threading
 import time
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -17,16 +16,6 @@ log = logging.getLogger("engine_bridge.cache.shared_store")
 
 FAULTS = ("down", "timeout", "auth", "full", "corrupt", "error")
 Fault = Literal["down", "timeout", "auth", "full", "corrupt", "error"]
-
-
-def redacted(url: str) -> str:
-    """The url without its password, for logs and stats."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def fault_of(e: BaseException) -> Fault:

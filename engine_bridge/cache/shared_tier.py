@@ -27,7 +27,8 @@ from engine_bridge.cache.checkpoint_writes import has_snapshots
 from engine_bridge.cache.hashing import Chain
 from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
-from engine_bridge.cache.shared_store import SharedStats, SharedStore, SharedWritePolicy
+from engine_bridge.cache.shared_config import SharedWritePolicy
+from engine_bridge.cache.shared_store import SharedStats, SharedStore
 from engine_bridge.cache.ssd import SSDEntry, SSDStore
 from engine_bridge.cache.tensors import HostTensor
 
