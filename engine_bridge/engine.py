@@ -4,32 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-
-import mlx.core as mx
-import psutil
 
 from . import cache_probe, discovery, heap, kv, models
 from .cache.manager import CacheManager
 from .cache.ssd import SSDConfig, SSDStore
 from .cache.tiers import TieredCache
-from .cache.write_policy import SPARSE_PERIODIC_EVERY, WritePolicy
+from .cache.write_policy import SPARSE_PERIODIC_EVERY
 from .cache_probe import ProbeResult, WarmResult
 from .demo import DEMO_MODEL_IDS
-from .prompt import (
-    CLAUDE_CODE_BILLING_HEADER,
-    NormalizationRule,
-    RenderedPrompt,
-    render_chat,
-    render_completion,
-)
-from .prompt_cache import CachePolicy, ModelCache
+from .engine_settings import EngineSettings  # callers import it with Engine, from here
+from .memory import HEAP_TRIM_S, MemoryGuard, default_kv_memory, mlx_memory, release_memory
+from .prompt import RenderedPrompt, render_chat, render_completion
+from .prompt_cache import ModelCache
 from .request_log import RequestLog
+from .request_stats import RequestStats
 from .runner import Event, Job, Runner
 from .scheduler import Scheduler, SchedulerSettings
 from .session_admin import SessionAdmin
@@ -46,142 +38,11 @@ from .types import (
 
 log = logging.getLogger("engine_bridge.engine")
 
-# How often the memory guard also hands freed heap back to the system (see heap.py).
-HEAP_TRIM_S = 30.0
-
-
-def _mlx_memory() -> dict[str, int]:
-    """MLX's own allocator: arrays alive, freed buffers it keeps for reuse, and the peak."""
-    return {
-        "mlx_active_bytes": mx.get_active_memory(),
-        "mlx_cache_bytes": mx.get_cache_memory(),
-        "mlx_peak_bytes": mx.get_peak_memory(),
-    }
-
-
-def _release_memory() -> None:
-    """Return an unloaded model's buffers to the system (on the MLX thread)."""
-    gc.collect()
-    mx.clear_cache()
-
-
-@dataclass(slots=True)
-class EngineSettings:
-    cache_dir: Path
-    model_specs: list[str] = field(default_factory=list)
-    lmstudio_dirs: list[Path] = field(default_factory=list)
-    cache_enabled: bool = True
-    serve_all_mlx: bool = False
-    ram_budget_bytes: int = 1 << 30
-    # Under memory pressure (the system's available memory below this), the RAM tier
-    # shrinks, spilling to SSD, instead of the OS killing the process; None: no guard.
-    ram_min_available_bytes: int | None = None
-    memory_check_s: float = 2.0
-    # The RAM tier never shrinks below this under pressure (a few sessions' prefixes).
-    ram_pressure_min_budget_bytes: int = 64 << 20
-    idle_unload_s: float | None = None
-    ssd_enabled: bool = True
-    ssd_max_bytes: int = 10 * 1000**3
-    ssd_ttl_s: float | None = None
-    ssd_queue_size: int = 256
-    ssd_write_through: bool = True
-    # When the SSD is written (cache/write_policy.py); None: ssd_write_through decides.
-    ssd_write_policy: WritePolicy | None = None
-    ssd_max_write_per_day: int | None = None  # bytes per UTC day; None: no cap
-    # Checkpoints are written once they stayed the deepest on their path this long.
-    ssd_checkpoint_delay_s: float = 60.0
-    # How long shutdown waits for queued SSD writes.
-    ssd_drain_s: float = 10.0
-    # Warn when the hit ratio of the last 20 cacheable requests falls below this (0: off).
-    alert_hit_ratio: float = 0.5
-    # Client sessions (/v1/cache/sessions): idle ones expire after this many seconds
-    # (None: never); pinned ones hold at most this much RAM (None: a quarter of the budget).
-    session_ttl_s: float | None = None
-    pin_max_bytes: int | None = None
-    cache_policy: CachePolicy = field(default_factory=CachePolicy)
-    # The scheduler: how many sequences of one model decode together, how many requests
-    # may wait beyond those (more answer 429), how many prompt tokens one step prefills,
-    # and how many bytes the live K/V of running sequences may take (None: a share of RAM).
-    max_batch: int = 8
-    max_queue: int = 64
-    prefill_chunk: int = 512
-    kv_memory_bytes: int | None = None
-    normalization: list[NormalizationRule] = field(
-        default_factory=lambda: [CLAUDE_CODE_BILLING_HEADER]
-    )
-
 
 def _vocab_size(config: dict) -> int | None:
     """The embedding's row count, from the model's config (nested for vision models)."""
     size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     return int(size) if isinstance(size, int) else None
-
-
-def _default_kv_memory(settings: EngineSettings) -> int:
-    """Live K/V of running sequences may take half the RAM available at start, less the
-    RAM tier's budget, and never less than 1 GB."""
-    available = psutil.virtual_memory().available
-    return max(1 << 30, available // 2 - settings.ram_budget_bytes)
-
-
-@dataclass(slots=True)
-class RequestStats:
-    """Request-level accounting, the one place requests are counted.
-
-    Bypassed requests and cache-less models stay out of the hits, misses and token counts
-    that the hit ratio (cached / prompt tokens) is made of.
-    """
-
-    total: int = 0
-    completed: int = 0
-    cancelled: int = 0
-    bypassed: int = 0
-    hits: int = 0
-    misses: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    by_source: dict[str, int] = field(default_factory=lambda: {"ram": 0, "ssd": 0, "none": 0})
-    last_cancelled_completion_tokens: int = 0
-
-    def record(self, r: GenerationResult) -> None:
-        self.total += 1
-        if r.finish_reason == "cancelled":
-            self.cancelled += 1
-            self.last_cancelled_completion_tokens = r.completion_tokens
-        else:
-            self.completed += 1
-        self.completion_tokens += r.completion_tokens
-        if not r.used_cache:
-            self.bypassed += 1
-            return
-        self.prompt_tokens += r.prompt_tokens
-        self.cached_tokens += r.cached_tokens
-        self.by_source[r.source] = self.by_source.get(r.source, 0) + 1
-        if r.cached_tokens:
-            self.hits += 1
-        else:
-            self.misses += 1
-
-    @property
-    def hit_ratio(self) -> float:
-        return round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0
-
-
-def _mb(n: int) -> str:
-    return f"{n / (1 << 20):.0f} MB"
-
-
-@dataclass(slots=True)
-class MemoryPressure:
-    """The memory guard's state, shown in /v1/cache/stats."""
-
-    floor_bytes: int | None = None
-    available_bytes: int | None = None
-    budget_bytes: int | None = None  # the RAM tier's budget now
-    active: bool = False
-    shrinks: int = 0
-    freed_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -207,16 +68,13 @@ class Engine:
         self._caches: dict[str, ModelCache] = {}  # each loaded model's prompt cache
         # Called with every finished request (on the MLX thread): metrics, request logs.
         self.result_listeners: list[Callable[[GenerationRequest, GenerationResult], None]] = []
-        self.pressure = MemoryPressure(
-            floor_bytes=settings.ram_min_available_bytes, budget_bytes=settings.ram_budget_bytes
-        )
         # The one thread that runs MLX work (loading, prefill, decode) for every model.
         self.scheduler = Scheduler(
             SchedulerSettings(
                 max_batch=settings.max_batch,
                 max_queue=settings.max_queue,
                 prefill_chunk=settings.prefill_chunk,
-                kv_memory_bytes=settings.kv_memory_bytes or _default_kv_memory(settings),
+                kv_memory_bytes=settings.kv_memory_bytes or default_kv_memory(settings),
             )
         )
         ssd = None
@@ -240,6 +98,7 @@ class Engine:
             checkpoint_delay_s=settings.ssd_checkpoint_delay_s,
             periodic_write_every=settings.cache_policy.checkpoint_interval * SPARSE_PERIODIC_EVERY,
         )
+        self.memory = MemoryGuard(self.tiers, settings)
         self.sessions = SessionCache(
             self.tiers,
             pin_max_bytes=settings.pin_max_bytes or settings.ram_budget_bytes // 4,
@@ -308,7 +167,7 @@ class Engine:
                 self.scheduler.remove(runner)
             idle_for = now - runner.last_used
             del runner  # the last reference: the weights go with it
-            await self._on_mlx(_release_memory)
+            await self._on_mlx(release_memory)
             log.info("unloaded %s after %.0fs idle", model_id, idle_for)
             unloaded.append(model_id)
         return unloaded
@@ -331,48 +190,13 @@ class Engine:
             if guard:
                 # On the MLX thread: a shrink evicts, and a spill turns arrays into bytes,
                 # which MLX only does on the thread that owns their stream.
-                await self._on_mlx(self.guard_memory)
+                await self._on_mlx(self.memory.check)
                 if time.monotonic() - last_trim >= HEAP_TRIM_S:
                     last_trim = time.monotonic()
                     await asyncio.to_thread(heap.trim)
             if idle and time.monotonic() - last_idle_check >= idle_period:
                 last_idle_check = time.monotonic()
                 await self.unload_idle(idle)
-
-    def guard_memory(self, available: int | None = None) -> int:
-        """Shrink the RAM tier while the system's available memory is under the floor, and
-        give the budget back (in steps) once it is not. Returns the RAM tier's budget."""
-        floor = self.settings.ram_min_available_bytes
-        ram = self.tiers.ram
-        configured = self.settings.ram_budget_bytes
-        if floor is None:
-            return ram.budget_bytes
-        available = psutil.virtual_memory().available if available is None else available
-        held = ram.stats().bytes
-        if available < floor:
-            # Free the shortfall from what the tier holds; never below the floor budget.
-            target = max(self.settings.ram_pressure_min_budget_bytes, held - (floor - available))
-            if target < ram.budget_bytes:
-                freed = ram.set_budget(target)
-                self.pressure.shrinks += 1
-                self.pressure.freed_bytes += freed
-                if not self.pressure.active:
-                    log.warning(
-                        "memory pressure: %s available, under the %s floor; RAM cache budget "
-                        "%s -> %s (evicted entries go to SSD)",
-                        _mb(available), _mb(floor), _mb(configured), _mb(target),
-                    )  # fmt: skip
-                self.pressure.active = True
-        elif ram.budget_bytes < configured and available > floor + configured // 4:
-            # Pressure is gone: grow back a quarter of the configured budget per check.
-            grown = min(configured, ram.budget_bytes + max(configured // 4, 1))
-            ram.set_budget(grown)
-            if grown == configured and self.pressure.active:
-                log.info("memory pressure over: RAM cache budget back to %s", _mb(configured))
-                self.pressure.active = False
-        self.pressure.budget_bytes = ram.budget_bytes
-        self.pressure.available_bytes = available
-        return ram.budget_bytes
 
     def _session_factory(self, loaded: models.LoadedModel):
         if not self.settings.cache_enabled:
@@ -507,7 +331,7 @@ class Engine:
             "hit_ratio": req["hit_ratio"],
             "cache_enabled": self.settings.cache_enabled,
             "scheduler": self._scheduler_stats(),
-            "memory": asdict(self.pressure) | _mlx_memory(),
+            "memory": asdict(self.memory.pressure) | mlx_memory(),
             **asdict(self.tiers.stats()),
             "models": self.model_ids,
             "alert": self.request_log.alert_state(),
