@@ -39,6 +39,7 @@ from proxy.config_schema import (
     set_key,
     union_args,
 )
+from proxy.config_shared import SharedCacheConfig
 from proxy.config_validate import validate
 from proxy.security import is_loopback_bind
 from proxy.tomltext import Origins
@@ -152,6 +153,7 @@ class CacheConfig:
     alert_hit_ratio: float = 0.5
     ram: RamCacheConfig = field(default_factory=RamCacheConfig)
     ssd: SsdCacheConfig = field(default_factory=SsdCacheConfig)
+    shared: SharedCacheConfig = field(default_factory=SharedCacheConfig)
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine_bridge.cache.write_policy import resolve_write_policy
 from proxy.config_schema import key_error
+from proxy.config_shared import validate_shared
 from proxy.security import check_host_entry, check_origin_entry
 from proxy.tomltext import Origins
 from proxy.units import (
@@ -108,6 +109,7 @@ def validate(config: Config, origins: Origins) -> None:
             "must be positive",
         )
     parses("cache.ssd.checkpoint_write_delay", parse_duration, c.ssd.checkpoint_write_delay)
+    validate_shared(c.shared, check, parses)
     check("tenants.header", bool(config.tenants.header.strip()), "must not be empty")
     for i, rule in enumerate(config.normalization.rules):
         path = ("normalization", "rules", i)
