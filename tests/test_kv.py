@@ -13,7 +13,6 @@ import gc
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import falcon_h1, gemma3_text, llama, qwen3_5
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -24,150 +23,38 @@ from mlx_lm.models.cache import (
 )
 
 from engine_bridge.kv import (
-    ArraysState,
     BlockPayload,
     CheckpointPayload,
     DenseKV,
     Kind,
-    PayloadFormatError,
     QuantKV,
     RotatingState,
     UnsupportedCacheError,
     extract_blocks,
     extract_checkpoint,
     layout,
-    payload_from_host,
-    payload_to_host,
     quantize_block,
     restore,
 )
 from engine_bridge.kv.payloads import arrays_of
+from tests.kv_models import (
+    BS,
+    WINDOW,
+    N,
+    feed,
+    models_fixture,  # noqa: F401 (the `models` fixture)
+    quantized_cache,
+    state_arrays,
+    tokens_fixture,  # noqa: F401 (the `tokens` fixture)
+)
 
-BS = 16
-N = 80
-WINDOW = 32
 # CPU measurements: 0 for most cases, 6.4e-6 of 4.7 (gemma3 token by token after the window
 # wrapped: ring order changes the summation order), 1.1e-8 of 0.047 (falcon_h1 chunked scan).
 RTOL = 1e-5
 
 
-def _build(module, **args):
-    mx.random.seed(0)
-    model = module.Model(module.ModelArgs.from_dict(args))
-    mx.eval(model.parameters())
-    return model
-
-
-def _llama(dtype=mx.float32):
-    model = _build(
-        llama,
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        rms_norm_eps=1e-5,
-        vocab_size=256,
-    )
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
-
-
-@pytest.fixture(scope="module")
-def models() -> dict[str, object]:
-    """Tiny models, one per cache kind; head dim 32 so 8-bit KV quantization (group 32) fits."""
-    return {
-        "llama": _llama(),
-        "llama-bf16": _llama(mx.bfloat16),
-        "llama-f16": _llama(mx.float16),
-        # Gated DeltaNet (ArraysCache) then full attention (KVCache).
-        "hybrid": _build(
-            qwen3_5,
-            model_type="qwen3_5",
-            hidden_size=64,
-            num_hidden_layers=2,
-            intermediate_size=128,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            vocab_size=256,
-            linear_num_value_heads=2,
-            linear_num_key_heads=2,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            full_attention_interval=2,
-        ),
-        # Sliding window (RotatingKVCache) then global attention (KVCache).
-        "swa": _build(
-            gemma3_text,
-            model_type="gemma3_text",
-            hidden_size=64,
-            num_hidden_layers=2,
-            intermediate_size=128,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            query_pre_attn_scalar=32,
-            vocab_size=256,
-            sliding_window=WINDOW,
-            sliding_window_pattern=2,
-        ),
-        # Every layer is CacheList(ArraysCache (Mamba2), KVCache).
-        "cachelist": _build(
-            falcon_h1,
-            model_type="falcon_h1",
-            hidden_size=64,
-            num_hidden_layers=2,
-            intermediate_size=128,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            vocab_size=256,
-            mamba_d_ssm=64,
-            mamba_n_heads=4,
-            mamba_d_head=16,
-            mamba_d_state=16,
-            mamba_chunk_size=16,
-            mamba_expand=1,
-        ),
-    }
-
-
-@pytest.fixture(scope="module")
-def tokens() -> mx.array:
-    mx.random.seed(1)
-    return mx.random.randint(0, 256, (N,))
-
-
-def _quantized_cache(model) -> list:
-    return [c.to_quantized(group_size=32, bits=8) for c in make_prompt_cache(model)]
-
-
-def _feed(model, cache: list, toks: mx.array, step: int | None = None) -> mx.array:
-    """Logits for every token in `toks`, fed `step` at a time (None: one call)."""
-    step = step or toks.size
-    out = []
-    for s in range(0, toks.size, step):
-        logits = model(toks[None, s : s + step], cache=cache)
-        mx.eval(logits, [a for c in cache for a in _state_arrays(c)])
-        out.append(logits)
-    return mx.concatenate(out, axis=1)
-
-
-def _state_arrays(c) -> list[mx.array]:
-    if isinstance(c, CacheList):
-        return [a for sub in c.caches for a in _state_arrays(sub)]
-    if isinstance(c, ArraysCache):
-        return [a for a in c.cache if a is not None]
-    keys = c.keys if isinstance(c.keys, tuple) else (c.keys,)
-    values = c.values if isinstance(c.values, tuple) else (c.values,)
-    return [a for a in (*keys, *values) if a is not None]
-
-
 def _cold(model, toks: mx.array, cache: list | None = None) -> mx.array:
-    return _feed(model, make_prompt_cache(model) if cache is None else cache, toks)
+    return feed(model, make_prompt_cache(model) if cache is None else cache, toks)
 
 
 def _leaves(cache: list) -> list:
@@ -196,7 +83,7 @@ def _assert_same_state(live: list, restored: list) -> None:
                 assert np.array_equal(np.asarray(_window(a, x)), np.asarray(_window(b, y)))
         else:
             assert a.offset == b.offset
-            pairs = zip(_state_arrays(a), _state_arrays(b), strict=True)
+            pairs = zip(state_arrays(a), state_arrays(b), strict=True)
             for x, y in pairs:
                 assert np.array_equal(
                     np.asarray(x[..., : a.offset, :]), np.asarray(y[..., : b.offset, :])
@@ -226,15 +113,15 @@ def _resume(
 ) -> tuple[list, list, CheckpointPayload]:
     """Prefill to `position`, checkpoint, restore; then assert state and suffix logits."""
     live = make_cache(model)
-    _feed(model, live, toks[:position], live_step)
+    feed(model, live, toks[:position], live_step)
     blocks = extract_blocks(live, 0, position // BS, BS)
     ckpt = extract_checkpoint(live, position, BS)
     restored = restore(model, blocks, position, ckpt, cache=make_cache(model))
     _assert_same_state(live, restored)
 
     suffix = toks[position:]
-    from_live = _feed(model, live, suffix, suffix_step)
-    from_restored = _feed(model, restored, suffix, suffix_step)
+    from_live = feed(model, live, suffix, suffix_step)
+    from_restored = feed(model, restored, suffix, suffix_step)
     assert mx.array_equal(from_restored, from_live).item()
     _assert_matches_cold(from_restored, _cold(model, toks, make_cache(model))[:, position:])
     return live, restored, ckpt
@@ -266,7 +153,7 @@ def test_layout_marks_attention_paged_and_recurrent_or_windowed_state_snapshot(m
         ],
         True,
     )
-    assert [s.cache_type for s in layout(_quantized_cache(models["llama"])).paged] == [
+    assert [s.cache_type for s in layout(quantized_cache(models["llama"])).paged] == [
         "QuantizedKVCache"
     ] * 2
 
@@ -283,7 +170,7 @@ def test_layout_refuses_cache_classes_it_cannot_store():
 def test_paged_resume_from_blocks_alone_matches_cold(models, tokens, length):
     model = models["llama"]
     live = make_prompt_cache(model)
-    _feed(model, live, tokens, 29)
+    feed(model, live, tokens, 29)
     blocks = extract_blocks(live, 0, N // BS, BS)
 
     restored = restore(model, blocks, length, None)
@@ -292,7 +179,7 @@ def test_paged_resume_from_blocks_alone_matches_cold(models, tokens, length):
     for a, b in zip(live, restored, strict=True):
         assert mx.array_equal(a.keys[..., :length, :], b.keys).item()
         assert mx.array_equal(a.values[..., :length, :], b.values).item()
-    suffix_logits = _feed(model, restored, tokens[length:])
+    suffix_logits = feed(model, restored, tokens[length:])
     _assert_matches_cold(suffix_logits, _cold(model, tokens)[:, length:])
 
 
@@ -307,19 +194,19 @@ def test_paged_resume_inside_checkpoint_tail_matches_cold(models, tokens, length
     # A request that diverges inside the partial block a checkpoint at 45 holds.
     model = models["llama"]
     live = make_prompt_cache(model)
-    _feed(model, live, tokens[:45], 13)
+    feed(model, live, tokens[:45], 13)
     blocks = extract_blocks(live, 0, 2, BS)
 
     restored = restore(model, blocks, length, extract_checkpoint(live, 45, BS))
 
     assert [c.keys.shape[2] for c in restored] == [length, length]
-    _assert_matches_cold(_feed(model, restored, tokens[length:]), _cold(model, tokens)[:, length:])
+    _assert_matches_cold(feed(model, restored, tokens[length:]), _cold(model, tokens)[:, length:])
 
 
 def test_hybrid_checkpoint_restores_only_its_own_position(models, tokens):
     model = models["hybrid"]
     live = make_prompt_cache(model)
-    _feed(model, live, tokens[:45], 13)
+    feed(model, live, tokens[:45], 13)
     ckpt = extract_checkpoint(live, 45, BS)
     with pytest.raises(AssertionError, match="checkpoint at 45, restoring 40"):
         restore(model, extract_blocks(live, 0, 2, BS), 40, ckpt)
@@ -339,7 +226,7 @@ def test_hybrid_resume_after_decode_steps_matches_cold(models, tokens):
 def test_hybrid_restore_without_checkpoint_is_refused(models, tokens):
     model = models["hybrid"]
     live = make_prompt_cache(model)
-    _feed(model, live, tokens[: 2 * BS])
+    feed(model, live, tokens[: 2 * BS])
     with pytest.raises(AssertionError, match="snapshot layers need a checkpoint"):
         restore(model, extract_blocks(live, 0, 2, BS), 2 * BS, None)
 
@@ -364,7 +251,7 @@ def test_sliding_window_resume_before_and_after_wrap_matches_cold(
 def test_sliding_window_checkpoint_holds_one_window_after_long_chunk(models, tokens):
     model = models["swa"]
     live = make_prompt_cache(model)
-    _feed(model, live, tokens[:70])
+    feed(model, live, tokens[:70])
     assert live[0].keys.shape[2] == 70  # the live buffer keeps the whole chunk
 
     ckpt = extract_checkpoint(live, 70, BS)
@@ -383,19 +270,19 @@ def test_cachelist_resume_from_checkpoint_matches_cold(models, tokens, position)
 @pytest.mark.parametrize("position", [2 * BS, 45])
 def test_quantized_kv_resume_matches_cold(models, tokens, position):
     _, restored, ckpt = _resume(
-        models["llama"], tokens, position, make_cache=_quantized_cache, suffix_step=5
+        models["llama"], tokens, position, make_cache=quantized_cache, suffix_step=5
     )
     assert all(isinstance(p, QuantKV) and p.bits == 8 for p in ckpt.tail)
 
 
 def test_quantized_blocks_restore_into_quantized_cache_unchanged(models, tokens):
     model = models["llama"]
-    live = _quantized_cache(model)
-    _feed(model, live, tokens[:48])
+    live = quantized_cache(model)
+    feed(model, live, tokens[:48])
     blocks = extract_blocks(live, 0, 3, BS)
     assert [x.dtype for x in blocks[0].kv[0].keys] == [mx.uint32, mx.float32, mx.float32]
 
-    restored = restore(model, blocks, 48, None, cache=_quantized_cache(model))
+    restored = restore(model, blocks, 48, None, cache=quantized_cache(model))
 
     _assert_same_state(live, restored)
 
@@ -415,7 +302,7 @@ def _payload_bits(blocks: list[BlockPayload], ckpt: CheckpointPayload) -> list[n
 def test_stored_payloads_unchanged_when_live_cache_is_rewritten(models, tokens, name):
     model = models[name]
     live = make_prompt_cache(model)
-    _feed(model, live, tokens[:45], 13)
+    feed(model, live, tokens[:45], 13)
     blocks = extract_blocks(live, 0, 2, BS)
     ckpt = extract_checkpoint(live, 45, BS)
     before = _payload_bits(blocks, ckpt)
@@ -426,8 +313,8 @@ def test_stored_payloads_unchanged_when_live_cache_is_rewritten(models, tokens, 
     if name == "llama":
         for c in live:
             c.trim(45 - 20)
-        _feed(model, live, other[20:40], 1)
-    _feed(model, live, other[:30], 1)
+        feed(model, live, other[20:40], 1)
+    feed(model, live, other[:30], 1)
 
     after = _payload_bits(blocks, ckpt)
     assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
@@ -437,16 +324,16 @@ def test_stored_payloads_unchanged_when_live_cache_is_rewritten(models, tokens, 
 def test_generation_after_restore_leaves_checkpoint_intact(models, tokens, name):
     model = models[name]
     live = make_prompt_cache(model)
-    _feed(model, live, tokens[:50], 1)
+    feed(model, live, tokens[:50], 1)
     blocks = extract_blocks(live, 0, 3, BS)
     ckpt = extract_checkpoint(live, 50, BS)
     before = _payload_bits(blocks, ckpt)
 
-    first = _feed(model, restore(model, blocks, 50, ckpt), tokens[50:], 1)
+    first = feed(model, restore(model, blocks, 50, ckpt), tokens[50:], 1)
     assert all(
         np.array_equal(a, b) for a, b in zip(before, _payload_bits(blocks, ckpt), strict=True)
     )
-    second = _feed(model, restore(model, blocks, 50, ckpt), tokens[50:], 1)
+    second = feed(model, restore(model, blocks, 50, ckpt), tokens[50:], 1)
     assert mx.array_equal(first, second).item()
 
 
@@ -473,7 +360,7 @@ def test_stored_block_does_not_pin_the_padded_live_buffer():
 def test_nbytes_is_shape_times_dtype(models, tokens):
     model = models["swa"]
     live = make_prompt_cache(model)
-    _feed(model, live, tokens[:45], 13)
+    feed(model, live, tokens[:45], 13)
     (block,) = extract_blocks(live, 0, 1, BS)
     ckpt = extract_checkpoint(live, 45, BS)
 
@@ -484,117 +371,13 @@ def test_nbytes_is_shape_times_dtype(models, tokens):
     assert lazy.nbytes == BS * 32 * 4 + BS * 32 * 2
 
 
-# --- host conversion ------------------------------------------------------------------------
-
-
-def _assert_bit_equal(a, b) -> None:
-    """Payloads equal field by field, arrays by dtype, shape and raw bits."""
-    assert type(a) is type(b)
-    if isinstance(a, mx.array):
-        assert (a.dtype, a.shape) == (b.dtype, b.shape)
-        carrier = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.itemsize]
-        assert np.array_equal(np.asarray(a.view(carrier)), np.asarray(b.view(carrier)))
-    elif isinstance(a, tuple | list):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _assert_bit_equal(x, y)
-    elif hasattr(a, "__slots__") and not isinstance(a, int | str):
-        for field in a.__slots__:
-            _assert_bit_equal(getattr(a, field), getattr(b, field))
-    else:
-        assert a == b
-
-
-def _round_trip(payload):
-    tensors, meta = payload_to_host(payload)
-    assert sum(t.nbytes for t in tensors.values()) == payload.nbytes
-    back = payload_from_host(tensors, meta)
-    _assert_bit_equal(payload, back)
-    return back, tensors
-
-
-@pytest.mark.parametrize(
-    ("name", "code"), [("llama", "F32"), ("llama-f16", "F16"), ("llama-bf16", "BF16")]
-)
-def test_host_round_trip_is_bit_exact_for_float_blocks_and_tails(models, tokens, name, code):
-    model = models[name]
-    live = make_prompt_cache(model)
-    _feed(model, live, tokens[:45], 13)
-    blocks = extract_blocks(live, 0, 2, BS)
-    ckpt = extract_checkpoint(live, 45, BS)
-
-    back = [_round_trip(p)[0] for p in (*blocks, ckpt)]
-
-    assert {t.dtype for t in payload_to_host(blocks[0])[0].values()} == {code}
-    suffix = tokens[45:50]
-    original = _feed(model, restore(model, blocks, 45, ckpt), suffix)
-    restored = restore(model, back[:2], 45, back[2])
-    assert mx.array_equal(_feed(model, restored, suffix), original).item()
-
-
-def test_host_round_trip_is_bit_exact_for_special_values():
-    specials = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, 65504.0, 3.0e38]
-    x = mx.array(specials).reshape(1, 1, 8, 1)
-    for dtype in (mx.float32, mx.float16, mx.bfloat16):
-        kv = DenseKV(x.astype(dtype), -x.astype(dtype))
-        _round_trip(BlockPayload(0, 8, (kv,)))
-
-
-def test_host_round_trip_is_bit_exact_for_quantized_blocks(models, tokens):
-    model = models["llama-bf16"]
-    live = _quantized_cache(model)
-    _feed(model, live, tokens[:45], 13)
-    (block,) = extract_blocks(live, 1, 2, BS)
-
-    _, tensors = _round_trip(block)
-    _round_trip(extract_checkpoint(live, 45, BS))
-
-    assert tensors["kv.0.keys.q"].dtype == "U32"
-    assert tensors["kv.0.keys.scales"].dtype == "BF16"
-
-
-@pytest.mark.parametrize("name", ["hybrid", "swa", "cachelist"])
-def test_host_round_trip_restores_snapshot_checkpoints_exactly(models, tokens, name):
-    model = models[name]
-    live = make_prompt_cache(model)
-    _feed(model, live, tokens[:45], 13)
-    blocks = extract_blocks(live, 0, 2, BS)
-    ckpt = extract_checkpoint(live, 45, BS)
-    assert any(isinstance(s, ArraysState | RotatingState) for s in ckpt.snapshots)
-
-    back, _ = _round_trip(ckpt)
-
-    suffix = tokens[45:52]
-    original = _feed(model, restore(model, blocks, 45, ckpt), suffix, 1)
-    restored = restore(model, blocks, 45, back)
-    assert mx.array_equal(_feed(model, restored, suffix, 1), original).item()
-
-
-def test_payload_from_host_rejects_what_it_did_not_write(models, tokens):
-    model = models["hybrid"]
-    live = make_prompt_cache(model)
-    _feed(model, live, tokens[:45], 13)
-    tensors, meta = payload_to_host(extract_checkpoint(live, 45, BS))
-
-    with pytest.raises(PayloadFormatError, match="snap.0.1"):
-        payload_from_host({k: v for k, v in tensors.items() if k != "snap.0.1"}, meta)
-    with pytest.raises(PayloadFormatError, match="format"):
-        payload_from_host(tensors, {**meta, "format": "other/1"})
-    with pytest.raises(PayloadFormatError, match="unexpected tensors"):
-        payload_from_host({**tensors, "stray": tensors["kv.0.keys"]}, meta)
-    with pytest.raises(PayloadFormatError, match="position"):
-        payload_from_host(tensors, {**meta, "position": "forty"})
-    with pytest.raises(PayloadFormatError, match="holds 13 tokens, expected 14"):
-        payload_from_host(tensors, {**meta, "position": "46"})
-
-
 # --- optional storage quantization ----------------------------------------------------------
 
 
 def test_quantized_storage_shrinks_blocks_and_restores_close(models, tokens):
     model = models["llama"]
     live = make_prompt_cache(model)
-    _feed(model, live, tokens[:64])
+    feed(model, live, tokens[:64])
     blocks = extract_blocks(live, 0, 4, BS)
 
     small = [quantize_block(b, bits=8, group_size=32) for b in blocks]
@@ -602,5 +385,5 @@ def test_quantized_storage_shrinks_blocks_and_restores_close(models, tokens):
     assert all(isinstance(p, QuantKV) for b in small for p in b.kv)
     # 8 bits per element plus a float32 scale and bias per 32 elements, against 32 bits.
     assert small[0].nbytes * 32 == blocks[0].nbytes * 10
-    suffix_logits = _feed(model, restore(model, small, 64, None), tokens[64:])
+    suffix_logits = feed(model, restore(model, small, 64, None), tokens[64:])
     _assert_matches_cold(suffix_logits, _cold(model, tokens)[:, 64:], rtol=0.05)
