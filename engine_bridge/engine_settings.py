@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cache.shared_config import SharedConfig
 from .cache.write_policy import WritePolicy
 from .prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from .prompt_cache import CachePolicy
@@ -37,6 +38,8 @@ class EngineSettings:
     ssd_checkpoint_delay_s: float = 60.0
     # How long shutdown waits for queued SSD writes.
     ssd_drain_s: float = 10.0
+    # The Redis/Valkey tier several machines share ([cache.shared]); None: off.
+    shared: SharedConfig | None = None
     # Warn when the hit ratio of the last 20 cacheable requests falls below this (0: off).
     alert_hit_ratio: float = 0.5
     # Client sessions (/v1/cache/sessions): idle ones expire after this many seconds

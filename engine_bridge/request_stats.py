@@ -24,7 +24,9 @@ class RequestStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    by_source: dict[str, int] = field(default_factory=lambda: {"ram": 0, "ssd": 0, "none": 0})
+    by_source: dict[str, int] = field(
+        default_factory=lambda: {"ram": 0, "ssd": 0, "shared": 0, "none": 0}
+    )
     last_cancelled_completion_tokens: int = 0
 
     def record(self, r: GenerationResult) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-CacheSource = Literal["ram", "ssd", "none"]
+CacheSource = Literal["ram", "ssd", "shared", "none"]
 Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "stop_string", "cancelled"]
 

@@ -52,7 +52,7 @@ def schemas() -> dict[str, Schema]:
             "session": _STRING,
             "prompt_tokens": _COUNT,
             "hit_tokens": _COUNT,
-            "source": {"enum": ["ram", "ssd", "none"]},
+            "source": {"enum": ["ram", "ssd", "shared", "none"]},
             "ttft_s": {"type": "number", "minimum": 0},
             "prefill_tok_s": _nullable({"type": "number", "minimum": 0}),
             "diverged_at": _nullable(_COUNT),

@@ -13,6 +13,7 @@ from engine_bridge.prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from engine_bridge.prompt_cache import CachePolicy
 
 from .config import Config
+from .config_shared import shared_settings
 from .state import ProxySettings
 from .units import (
     parse_duration,
@@ -72,6 +73,7 @@ def engine_settings(config: Config) -> EngineSettings:
         if cache.ssd.max_write_per_day is None
         else parse_size(cache.ssd.max_write_per_day),
         ssd_checkpoint_delay_s=parse_duration(cache.ssd.checkpoint_write_delay),
+        shared=shared_settings(cache.shared),
         session_ttl_s=None if cache.session_ttl is None else parse_duration(cache.session_ttl),
         pin_max_bytes=resolve_share_of_ram(
             cache.pin_max, resolve_ram_budget(cache.ram.budget, ram.available), "pin_max"
