@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from engine_bridge.engine import Engine
 from engine_bridge.types import GenerationRequest, GenerationResult
 
+from .metrics_shared import shared_metrics
 from .security import PASSTHROUGH_ROUTE, POLICY, api_key
 from .state import ENGINE, SETTINGS
 
@@ -138,6 +139,8 @@ class EngineCollector(Collector):
         yield from ram_metrics(stats["ram"])
         if stats.get("ssd") is not None:
             yield from ssd_metrics(stats["ssd"])
+        if stats.get("shared") is not None:
+            yield from shared_metrics(stats["shared"])
         yield from scheduler_metrics(stats["scheduler"])
         yield reason_metric(self.engine.request_log.reason_totals(), self.engine.has_model)
         yield gauge(

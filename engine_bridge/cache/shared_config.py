@@ -10,6 +10,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 from engine_bridge.cache.index import is_valid_name
 
+# Histogram buckets of a promotion (stats and /metrics): loopback to a slow LAN, and
+# from one block to a long prompt's state.
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+BYTES_BUCKETS = tuple(float(1 << s) for s in range(12, 34, 2))  # 4 KiB .. 8 GiB
+
 
 class SharedWritePolicy(StrEnum):
     """Which entries go to the shared store (see shared_tier.py for when)."""

@@ -32,7 +32,12 @@ from redis.retry import Retry
 
 from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind
-from engine_bridge.cache.shared_config import SharedConfig, redacted
+from engine_bridge.cache.shared_config import (
+    BYTES_BUCKETS,
+    LATENCY_BUCKETS_S,
+    SharedConfig,
+    redacted,
+)
 from engine_bridge.cache.shared_faults import FAULTS, Fault, Health, fault_of
 from engine_bridge.cache.ssd import SSDEntry
 from engine_bridge.cache.ssd_format import FormatError, decode, encode
@@ -48,9 +53,6 @@ _LATENCY_WINDOW = 1024
 # One write round trip carries at most this many entries, or this many bytes.
 _BATCH_ENTRIES = 64
 _BATCH_BYTES = 64 << 20
-# Prometheus buckets for a promotion's round trip: loopback to a slow LAN.
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-BYTES_BUCKETS = tuple(float(1 << s) for s in range(12, 34, 2))  # 4 KiB .. 8 GiB
 PutOutcome = Literal["queued", "duplicate", "dropped", "disabled"]
 
 
