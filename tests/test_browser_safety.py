@@ -1,9 +1,8 @@
 """Closed to the browser next door: Host, Origin, content type, CORS and exposure, in raw HTTP.
 
 Clients (httpx, aiohttp, the SDKs) set Host and Content-Type themselves, so every request
-here is written byte for byte on a socket. The app runs in-process on a real engine with
-demo-llama; the exposure checks start the real `serve` command; the upstream that cannot
-list its models is a real mlx_lm.server without a Hugging Face cache folder.
+here is written byte for byte on a socket (tests/raw_http.py). The app runs in-process on a
+real engine with demo-llama; the exposure checks start the real `serve` command.
 """
 
 from __future__ import annotations
@@ -13,11 +12,8 @@ import os
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
-import orjson
 import psutil
 import pytest
 
@@ -27,10 +23,10 @@ from proxy.config import UpstreamConfig
 from proxy.security import BrowserPolicy, browser_policy, split_host
 from proxy.state import ProxySettings
 from tests.conftest import REPO, free_port, fresh_cache_dir, start_server
+from tests.raw_http import Local, Reply, raw_request
 
 MODEL = "demo-llama"
 USER = [{"role": "user", "content": "hi"}]
-JSON = "application/json"
 # Every POST route served here that reads a JSON body, with a body it accepts.
 JSON_ROUTES = {
     "/v1/chat/completions": {"model": MODEL, "messages": USER, "max_tokens": 1},
@@ -40,61 +36,6 @@ JSON_ROUTES = {
     "/v1/messages": {"model": MODEL, "messages": USER, "max_tokens": 1},
     "/v1/messages/count_tokens": {"model": MODEL, "messages": USER},
 }
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: dict[str, str]  # lower-case names; the last value of a repeated header
-    body: bytes
-
-    def json(self):
-        return orjson.loads(self.body)
-
-
-async def raw_request(
-    port: int,
-    method: str,
-    path: str,
-    headers: list[tuple[str, str]],
-    body: bytes = b"",
-    version: str = "HTTP/1.1",
-) -> Reply:
-    """One request exactly as given (no Host or Content-Type added), and its response."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    lines = [f"{method} {path} {version}", *(f"{k}: {v}" for k, v in headers)]
-    if body:
-        lines.append(f"Content-Length: {len(body)}")
-    if not any(k.lower() == "connection" for k, _ in headers):
-        lines.append("Connection: close")
-    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
-    await writer.drain()
-    try:
-        return await asyncio.wait_for(_read_response(reader), 120)
-    finally:
-        writer.close()
-
-
-async def _read_response(reader: asyncio.StreamReader) -> Reply:
-    head = await reader.readuntil(b"\r\n\r\n")
-    status_line, *header_lines = head.decode("latin-1").strip().split("\r\n")
-    headers = {}
-    for line in header_lines:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    status = int(status_line.split()[1])
-    if "content-length" in headers:
-        body = await reader.readexactly(int(headers["content-length"]))
-    elif headers.get("transfer-encoding") == "chunked":
-        body = b""
-        while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
-            body += (await reader.readexactly(size + 2))[:-2]
-        await reader.readuntil(b"\r\n")
-    elif status in (101, 204, 304):
-        body = b""
-    else:
-        body = await reader.read()
-    return Reply(status, headers, body)
 
 
 def error_message(reply: Reply, dialect: str) -> str:
@@ -113,32 +54,6 @@ def dialect(path: str) -> str:
 
 def access_control(reply: Reply) -> dict[str, str]:
     return {k: v for k, v in reply.headers.items() if k.startswith("access-control-")}
-
-
-@dataclass
-class Local:
-    port: int
-
-    @property
-    def host(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    async def get(self, path: str, *headers: tuple[str, str], host: str | None = None) -> Reply:
-        return await raw_request(self.port, "GET", path, [("Host", host or self.host), *headers])
-
-    async def post(
-        self,
-        path: str,
-        body: dict | bytes,
-        *headers: tuple[str, str],
-        content_type: str | None = JSON,
-        host: str | None = None,
-    ) -> Reply:
-        raw = body if isinstance(body, bytes) else orjson.dumps(body)
-        sent = [("Host", host or self.host), *headers]
-        if content_type is not None:
-            sent.append(("Content-Type", content_type))
-        return await raw_request(self.port, "POST", path, sent, raw)
 
 
 @pytest.fixture
@@ -488,59 +403,3 @@ def test_serve_on_all_interfaces_with_keys_wants_the_key(demo_root, tmp_path):
         assert httpx.get(server.url + "/v1/models", headers=keyed, timeout=30).status_code == 200
     finally:
         server.stop()
-
-
-# ---------------------------------------------------------------------------------------
-# An upstream whose own /v1/models fails
-
-
-@pytest.fixture
-def upstream_without_model_list(demo_root, tmp_path):
-    """mlx_lm.server on demo-swa with no Hugging Face cache folder: /v1/models breaks."""
-    from tests.test_upstream_routing import _start_mlx_server
-
-    home = tmp_path / "hf"
-    model_dir = demo_root / "models" / "demo-swa"
-    proc, url = _start_mlx_server(model_dir, home)
-    (home / "hub").rmdir()  # the helper made it; without it scan_cache_dir raises
-    proxy = start_server(
-        fresh_cache_dir(demo_root, tmp_path / "cache"), "--model", MODEL, "--upstream", url
-    )
-    yield proxy, url, str(Path(model_dir).resolve())
-    proxy.stop()
-    proc.terminate()
-    proc.wait(10)
-
-
-def test_model_of_an_upstream_that_cannot_list_models_is_forwarded(upstream_without_model_list):
-    proxy, upstream_url, upstream_model = upstream_without_model_list
-    try:
-        listed = httpx.get(upstream_url + "/v1/models", timeout=30)
-        assert listed.status_code != 200 or not listed.content  # its list really is broken
-    except httpx.HTTPError:
-        pass
-    body = {
-        "model": upstream_model,
-        "messages": [{"role": "user", "content": "hello"}],
-        "max_tokens": 8,
-        "temperature": 0,
-    }
-    direct = httpx.post(upstream_url + "/v1/chat/completions", json=body, timeout=60)
-    assert direct.status_code == 200
-    via = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=60)
-    assert via.status_code == 200, via.text
-    assert "x-prompt-cache-source" not in via.headers  # the upstream answered, not us
-    assert via.json()["choices"][0]["message"] == direct.json()["choices"][0]["message"]
-    forwarded = [line for line in proxy.log().splitlines() if "forwarding since" in line]
-    assert forwarded and "/v1/models returned no model list" in forwarded[0], proxy.log()
-    # mlx_lm.server sends its own CORS headers; ours (CORS off) replace them.
-    assert any(k.lower().startswith("access-control-") for k in direct.headers)
-    assert not any(k.lower().startswith("access-control-") for k in via.headers)
-    # Only our own models are listed, and local ones keep being served here.
-    assert [m["id"] for m in httpx.get(proxy.url + "/v1/models", timeout=30).json()["data"]] == [
-        MODEL
-    ]
-    local = httpx.post(
-        proxy.url + "/v1/chat/completions", json={**body, "model": MODEL}, timeout=60
-    )
-    assert local.headers["x-prompt-cache-source"] in ("none", "ram", "ssd")

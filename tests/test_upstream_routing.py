@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -154,3 +155,53 @@ def test_lmstudio_native_routes_serve_local_models_with_stats(lm_studio_pair):
     models = httpx.get(proxy.url + "/api/v0/models", timeout=30).json()["data"]
     local = [m for m in models if m["id"] == "demo-llama"]
     assert local and local[0]["compatibility_type"] == "mlx" and local[0]["state"] == "loaded"
+
+
+@pytest.fixture
+def upstream_without_model_list(demo_root, tmp_path):
+    """mlx_lm.server on demo-swa with no Hugging Face cache folder: /v1/models breaks."""
+    home = tmp_path / "hf"
+    model_dir = demo_root / "models" / "demo-swa"
+    proc, url = _start_mlx_server(model_dir, home)
+    (home / "hub").rmdir()  # the helper made it; without it scan_cache_dir raises
+    proxy = start_server(
+        fresh_cache_dir(demo_root, tmp_path / "cache"), "--model", "demo-llama", "--upstream", url
+    )
+    yield proxy, url, str(Path(model_dir).resolve())
+    proxy.stop()
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_model_of_an_upstream_that_cannot_list_models_is_forwarded(upstream_without_model_list):
+    proxy, upstream_url, upstream_model = upstream_without_model_list
+    try:
+        listed = httpx.get(upstream_url + "/v1/models", timeout=30)
+        assert listed.status_code != 200 or not listed.content  # its list really is broken
+    except httpx.HTTPError:
+        pass
+    body = {
+        "model": upstream_model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    direct = httpx.post(upstream_url + "/v1/chat/completions", json=body, timeout=60)
+    assert direct.status_code == 200
+    via = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=60)
+    assert via.status_code == 200, via.text
+    assert "x-prompt-cache-source" not in via.headers  # the upstream answered, not us
+    assert via.json()["choices"][0]["message"] == direct.json()["choices"][0]["message"]
+    forwarded = [line for line in proxy.log().splitlines() if "forwarding since" in line]
+    assert forwarded and "/v1/models returned no model list" in forwarded[0], proxy.log()
+    # mlx_lm.server sends its own CORS headers; ours (CORS off) replace them.
+    assert any(k.lower().startswith("access-control-") for k in direct.headers)
+    assert not any(k.lower().startswith("access-control-") for k in via.headers)
+    # Only our own models are listed, and local ones keep being served here.
+    assert [m["id"] for m in httpx.get(proxy.url + "/v1/models", timeout=30).json()["data"]] == [
+        "demo-llama"
+    ]
+    local = httpx.post(
+        proxy.url + "/v1/chat/completions", json={**body, "model": "demo-llama"}, timeout=60
+    )
+    assert local.headers["x-prompt-cache-source"] in ("none", "ram", "ssd")
