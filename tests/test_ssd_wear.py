@@ -184,6 +184,8 @@ def test_a_checkpoint_another_branch_leaves_from_stays_live(tmp_path):
         t = tiers(ssd, WritePolicy.THROUGH, delay=3600.0)
         t.store_blocks(c, SCOPE, {i: block(i) for i in range(7)})
         t.store_blocks(branch, SCOPE, {3: block(30), 4: block(40)})
+        # The branch has a message boundary of its own past the fork: a conversation.
+        t.store_checkpoint(branch, SCOPE, 17, checkpoint(17), Reason.BOUNDARY)
         t.store_checkpoint(branch, SCOPE, 19, checkpoint(19), Reason.PROMPT_END)
         _store_session(t, c, SESSION)
         superseded = {e.position for e in t.ram.entries() if getattr(e, "superseded", False)}

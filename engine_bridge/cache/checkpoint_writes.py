@@ -5,8 +5,9 @@ each would cost a whole snapshot of the model's state on disk (66 MB on a 30-lay
 DeltaNet model) only to be useless a turn later. So a write-through checkpoint waits here,
 already in host bytes (converted on the MLX thread that stored it), for `delay_s`: if a
 deeper one supersedes it meanwhile it is dropped unwritten, otherwise it is queued. Due
-writes go out from the SSD writer's tick and from the next request; everything left goes
-out at close. A kill -9 loses at most the last `delay_s` of checkpoints (a restart then
+writes go out on the MLX thread (the put writes the blocks on the checkpoint's path too,
+and turning them into host bytes evaluates arrays): at the next request, or when the SSD
+writer's tick asks for it there; everything left goes out at close. A kill -9 loses at most the last `delay_s` of checkpoints (a restart then
 resumes from an older one).
 """
 
@@ -41,6 +42,15 @@ class DeferredWrites:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def __contains__(self, key: BlockHash) -> bool:
+        return key in self._items
+
+    def due(self) -> bool:
+        """Whether a held write is due (or superseded, to drop)."""
+        now = self._clock()
+        with self._lock:
+            return any(d.due <= now or d.entry.superseded for d in self._items.values())
 
     def add(self, entry: Checkpoint, put: Callable[[], bool]) -> None:
         with self._lock:

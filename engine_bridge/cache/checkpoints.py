@@ -94,6 +94,16 @@ class CheckpointStore(GroupedStore):
         self._add(ckpt)
         return ckpt, True
 
+    def on_path(self, chain: Chain, lo: int, hi: int) -> list[Checkpoint]:
+        """The checkpoints on `chain` at positions in (lo, hi], shallowest first."""
+        bs, tokens, found = chain.block_size, chain.tokens, []
+        for a in range(max(0, lo // bs), min(hi, len(chain)) // bs + 1):
+            start = a * bs
+            for ckpt in self.at(chain.anchor(a)):
+                if lo < ckpt.position <= hi and tokens[start : ckpt.position] == ckpt.tail:
+                    found.append(ckpt)
+        return sorted(found, key=lambda c: c.position)
+
     def thin(self, chain: Chain, newest: Checkpoint) -> list[Checkpoint]:
         """Remove unreferenced periodic checkpoints before `newest` on `chain` (module doc)."""
         thinned = []

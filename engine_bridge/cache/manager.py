@@ -125,6 +125,27 @@ class CacheManager:
         with self._lock:
             return (self._pool if kind is EntryKind.BLOCK else self._checkpoints).get(key)
 
+    def blocks(self, hashes: Sequence[BlockHash]) -> list[Block | None]:
+        """The blocks of `hashes` RAM holds now, None where it holds none."""
+        with self._lock:
+            return [self._pool.get(h) for h in hashes]
+
+    def path_to(self, anchor: BlockHash) -> list[Block]:
+        """The blocks RAM holds on the path that ends with block `anchor`, walking parents
+        back until one is missing; shallowest first."""
+        path = []
+        with self._lock:
+            block = self._pool.get(anchor)
+            while block is not None:
+                path.append(block)
+                block = self._pool.get(block.parent)
+        return path[::-1]
+
+    def checkpoints_on(self, chain: Chain, lo: int, hi: int) -> list[Checkpoint]:
+        """The checkpoints RAM holds on `chain` at positions in (lo, hi], shallowest first."""
+        with self._lock:
+            return self._checkpoints.on_path(chain, lo, hi)
+
     def entries(self) -> list[Entry]:
         """Every block and checkpoint held now, blocks first (a snapshot)."""
         with self._lock:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine_bridge.cache.checkpoint_writes import DeferredWrites, has_snapshots, skip_if_superseded
+from engine_bridge.cache.checkpoints import Checkpoint
 from engine_bridge.cache.hashing import BlockHash, Chain
 from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
@@ -28,7 +29,7 @@ from engine_bridge.cache.manager import CacheManager, CacheStats, Entry
 from engine_bridge.cache.matching import Match
 from engine_bridge.cache.ssd import PutOutcome, PutReason, SSDStats, SSDStore
 from engine_bridge.cache.tensors import HostTensor
-from engine_bridge.cache.write_policy import WritePolicy
+from engine_bridge.cache.write_policy import SPARSE_PERIODIC_EVERY, WritePolicy
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ _PRESENCE_STEP = 64
 # Entries the SSD lost are put again this many per request at most (on the MLX thread,
 # since turning a payload into host bytes evaluates it), so no request stalls for long.
 _REWRITE_STEP = 32
+# Periodic checkpoint writes and resume points remembered for `_periodic_due`.
+_PERIODIC_MEMO = 1024
 
 
 class Codec(Protocol):
@@ -131,18 +134,33 @@ class TieredCache:
         # except a periodic one every `periodic_write_every` tokens (checkpoint_writes.py).
         self.deferred = DeferredWrites(checkpoint_delay_s)
         self.periodic_write_every = periodic_write_every
+        # Scopes of snapshot models (a lookup needed a checkpoint, or one with snapshot
+        # state was stored): their blocks are written with the checkpoints that need them.
+        self._snapshot_scopes: set[Scope] = set()
+        # Keys of the periodic checkpoints written lately (the index has them only once the
+        # writer is done, and RAM thins them as soon as a deeper one lands).
+        self._periodic_written: OrderedDict[BlockHash, None] = OrderedDict()
+        # Where each recent request's prefill resumed, by its chain (`pin`).
+        self._resumed_at: OrderedDict[int, tuple[Chain, int]] = OrderedDict()
+        # Runs a function on the MLX thread (the engine's scheduler.call): held-back writes
+        # that came due while no request runs go out there, since turning their blocks
+        # into host bytes evaluates arrays. Unset, they go out with the next request.
+        self.call_on_mlx: Callable[[Callable[[], object]], object] | None = None
+        self._flush_asked = threading.Event()
         # Entries RAM holds that the SSD lost, to put again (see `_ssd_lost`).
         self._rewrite: deque[tuple[EntryKind, BlockHash]] = deque()
         self._rewrite_lock = threading.Lock()
         if ssd is not None:
             ram.on_evict = self._spill
             ssd.on_lost = self._ssd_lost
-            ssd.on_tick = self.deferred.flush
+            ssd.on_tick = self._tick
 
     # ---- lookup -------------------------------------------------------------------------
 
     def lookup(self, chain: Chain, scope: Scope, *, needs_checkpoint: bool) -> Hit:
         """One look through every tier; reads index rows, never entry files."""
+        if needs_checkpoint:
+            self._snapshot_scopes.add(scope)
         if self._rewrite:
             self._rewrite_some(_REWRITE_STEP)
         self.deferred.flush()
@@ -244,10 +262,13 @@ class TieredCache:
             match = hit.ram
         else:
             match = self.ram.match(hit.chain, needs_checkpoint=hit.needs_checkpoint, pin=True)
-        self._reused(match)
+        self._reused(hit.chain, match)
+        self._resumed_at[id(hit.chain)] = (hit.chain, match.length)
+        if len(self._resumed_at) > _PERIODIC_MEMO:
+            self._resumed_at.popitem(last=False)
         return match
 
-    def _reused(self, match: Match) -> None:
+    def _reused(self, chain: Chain, match: Match) -> None:
         """A request restores from these entries: second-use writes them now, and so does
         write-through for a checkpoint it held back (a generation end, or one superseded
         before it was written and live again now; write_policy.py)."""
@@ -259,9 +280,17 @@ class TieredCache:
             stored.used = True
             if self.ssd is None or stored.on_ssd or self.policy is WritePolicy.EVICT:
                 continue
-            if self.policy is WritePolicy.SECOND_USE or entry.kind is EntryKind.CHECKPOINT:
-                if self.ssd.room <= 0:
-                    break  # the rest goes when RAM evicts it, or on the next reuse
+            if self.ssd.room <= 0:
+                break  # the rest goes when RAM evicts it, or on the next reuse
+            if entry.kind is EntryKind.CHECKPOINT:
+                if self.policy is WritePolicy.THROUGH and self._hold_back(entry):
+                    # A checkpoint live again waits for a deeper one like a new one: a
+                    # new user message resumes from the previous one's prompt end, and
+                    # this turn's own checkpoints supersede it within seconds.
+                    self._defer(chain, entry)
+                else:
+                    self._write_checkpoint(chain, entry, "write_through")
+            elif self.policy is WritePolicy.SECOND_USE:
                 self._put(entry, "write_through")
 
     # ---- promotion ----------------------------------------------------------------------
@@ -362,10 +391,11 @@ class TieredCache:
     # ---- storing ------------------------------------------------------------------------
 
     def store_blocks(self, chain: Chain, scope: Scope, payloads: Mapping[int, Any]) -> None:
-        """Insert full blocks of `chain` by index into RAM, and write them through."""
+        """Insert full blocks of `chain` by index into RAM, and write them through; a
+        snapshot model's blocks wait for a checkpoint that needs them (write_policy.py)."""
         stored = {i: Stored(p, scope) for i, p in payloads.items()}
         self.ram.insert_blocks(chain, stored)
-        if self.policy is WritePolicy.THROUGH:
+        if self.policy is WritePolicy.THROUGH and scope not in self._snapshot_scopes:
             for i, s in stored.items():
                 self._write(s, EntryKind.BLOCK, chain.hashes[i], chain.block_size, None)
 
@@ -375,35 +405,149 @@ class TieredCache:
         """Insert the state after `position` tokens of `chain`; with write-through, write it
         once it has stayed the deepest on its path a while (write_policy.py)."""
         stored = Stored(payload, scope)
-        self.ram.insert_checkpoint(chain, position, stored, reason)
         big = has_snapshots(payload)
+        if big:
+            self._snapshot_scopes.add(scope)
+        self.ram.insert_checkpoint(chain, position, stored, reason)
         if self.policy is not WritePolicy.THROUGH or (reason is Reason.GENERATION_END and big):
             return
-        key = chain.checkpoint_key(position)
-        entry = self.ram.entry(EntryKind.CHECKPOINT, key)
+        entry = self.ram.entry(EntryKind.CHECKPOINT, chain.checkpoint_key(position))
         if entry is None or entry.payload is not stored or entry.superseded:
             return  # evicted at once (and spilled), already held, or thinned
+        sparse = reason is Reason.PERIODIC and self._periodic_due(chain, scope, position)
+        if sparse:
+            # Written even once superseded: a crash in a long prefill resumes here.
+            self._write_checkpoint(chain, entry, "write_through", skip=False)
+            self._periodic_written[entry.key] = None
+            if len(self._periodic_written) > _PERIODIC_MEMO:
+                self._periodic_written.popitem(last=False)
+        elif self._hold_back(entry):
+            self._defer(chain, entry)
+        else:
+            self._write_checkpoint(chain, entry, "write_through")
+
+    def _hold_back(self, entry: Checkpoint) -> bool:
+        """Whether a write-through checkpoint waits for a deeper one to supersede it: one
+        with snapshot state (a paged model's is at most one block's tail, not worth it),
+        except the path's first message boundary, where every session of a project
+        resumes."""
+        return (
+            self.deferred.delay_s > 0
+            and has_snapshots(entry.payload.payload)
+            and not entry.first_boundary
+        )
+
+    def _periodic_due(self, chain: Chain, scope: Scope, position: int) -> bool:
+        """Whether a periodic checkpoint at `position` goes to disk at once: when the
+        next periodic one would lie more than `periodic_write_every` tokens past both the
+        point this prefill resumed from and the deepest checkpoint on the path that is on
+        disk (or queued for it, not held back). A crash in a long prefill then loses at
+        most that much of it, and the short prefills of a session that re-renders its
+        turns write none (their resume points reach the disk by the held-back rule)."""
         every = self.periodic_write_every
-        sparse = reason is Reason.PERIODIC and every and position % every == 0
-        # A paged model's checkpoint is at most one block's tail: not worth holding back.
-        if self.deferred.delay_s <= 0 or sparse or not big or entry.first_boundary:
-            # A sparse periodic one is written even once superseded: a crash resumes there.
-            skip = None if sparse else skip_if_superseded(entry)
-            self._write(stored, EntryKind.CHECKPOINT, key, position, reason, skip=skip)
-            return
+        if not every:
+            return False
+        interval = max(1, every // SPARSE_PERIODIC_EVERY)
+        lo = max(0, position - every)
+        resumed = self._resumed_at.get(id(chain))
+        if (
+            resumed is not None
+            and resumed[0] is chain
+            and position + interval - resumed[1] <= every
+        ):
+            return False
+        written = [
+            c.position
+            for c in self.ram.checkpoints_on(chain, lo, position - 1)
+            if c.payload.on_ssd and c.key not in self.deferred
+        ]
+        if self.ssd is not None:
+            # Periodic ones written earlier that thinning has since dropped from RAM.
+            points = list(range(position - interval, lo, -interval))
+            keys = [chain.checkpoint_key(p) for p in points]
+            found = self.ssd.contains_many(scope, EntryKind.CHECKPOINT, keys)
+            written += [
+                p
+                for p, k, present in zip(points, keys, found, strict=True)
+                if present or k in self._periodic_written
+            ]
+        return position + interval - max(written, default=0) > every
+
+    def _defer(self, chain: Chain, entry: Checkpoint) -> None:
+        """Hold the write of `entry` back (checkpoint_writes.py); when it goes out, so do
+        the blocks on its path that are not on disk yet."""
         if self.ssd is None:
             return
-        tensors, meta = self._host(stored, position, reason)
+        stored = entry.payload
+        tensors, meta = self._host(stored, entry.position, entry.reason)
         stored.on_ssd = True  # on its way: a spill meanwhile must not write it twice
 
         def put() -> bool:
+            if not self._write_path(
+                chain.hashes[: entry.position // chain.block_size], stored.scope
+            ):
+                stored.on_ssd = False  # a spill or a reuse tries again
+                return False
             outcome = self.ssd.put(
-                scope, EntryKind.CHECKPOINT, key, tensors, meta, tokens=position, skip=skip_if_superseded(entry)
+                stored.scope, EntryKind.CHECKPOINT, entry.key, tensors, meta,
+                tokens=entry.position, skip=skip_if_superseded(entry),
             )  # fmt: skip
             stored.on_ssd = outcome in ("queued", "duplicate")
             return outcome == "queued"
 
         self.deferred.add(entry, put)
+
+    def _write_checkpoint(
+        self, chain: Chain | None, entry: Checkpoint, why: PutReason, *, skip: bool = True
+    ) -> PutOutcome | None:
+        """Write `entry` now, after the blocks on its path that are not on disk yet (from
+        `chain`, or walking RAM's parents from its anchor). `skip`: drop it if it is
+        superseded before the writer reaches it."""
+        stored = entry.payload
+        if self.ssd is None or stored.on_ssd:
+            return None
+        if chain is not None:
+            path = chain.hashes[: entry.position // chain.block_size]
+        else:
+            path = [b.hash for b in self.ram.path_to(entry.anchor)]
+        if not self._write_path(path, stored.scope, why):
+            return "dropped"  # useless without its blocks: a later spill or reuse retries
+        return self._write(
+            stored, EntryKind.CHECKPOINT, entry.key, entry.position, entry.reason, why,
+            skip=skip_if_superseded(entry) if skip else None,
+        )  # fmt: skip
+
+    def _write_path(
+        self, hashes: Sequence[BlockHash], scope: Scope, why: PutReason = "write_through"
+    ) -> bool:
+        """Write the blocks of `hashes` RAM holds and the SSD lacks, shallowest first, ahead
+        of a snapshot model's checkpoint (the writer keeps their order, so a crash never
+        leaves that checkpoint on disk without them). False if one could not be queued.
+        Other models' blocks went through when stored."""
+        if scope not in self._snapshot_scopes:
+            return True
+        for block in self.ram.blocks(hashes):
+            if block is None or block.payload.on_ssd:
+                continue  # on disk (spilled when RAM evicted it), or never stored
+            outcome = self._write(
+                block.payload, EntryKind.BLOCK, block.hash, len(block.tokens), None, why
+            )
+            if outcome not in ("queued", "duplicate"):
+                return False
+        return True
+
+    def _tick(self) -> None:
+        """The SSD writer's tick: have the held-back writes that are due go out on the MLX
+        thread (one call at a time), or, with no way there, at the next request."""
+        if self.call_on_mlx is None or not self.deferred.due() or self._flush_asked.is_set():
+            return
+        self._flush_asked.set()
+
+        def flush() -> None:
+            self._flush_asked.clear()
+            self.deferred.flush()
+
+        self.call_on_mlx(flush)
 
     def _spill(self, entry: Entry) -> None:
         """RAM eviction hook: write what is not on disk yet instead of losing it, except
@@ -420,8 +564,10 @@ class TieredCache:
             return
         if self.policy is WritePolicy.SECOND_USE and not used:
             return
-        if entry.kind is EntryKind.CHECKPOINT and self.deferred.release(entry.key):
-            return  # a held-back write, due now that RAM lets go of it
+        if entry.kind is EntryKind.CHECKPOINT:
+            if not self.deferred.release(entry.key):  # a held-back write, due now
+                self._write_checkpoint(None, entry, "spill")
+            return
         self._put(entry, "spill")
 
     def _put(self, entry: Entry, why: PutReason) -> PutOutcome | None:

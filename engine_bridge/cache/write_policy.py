@@ -1,19 +1,29 @@
 """When the SSD tier is written: `[cache.ssd] write_policy`, and the checkpoint write rules.
 
-- `through`: every block is written when stored; checkpoints are written once they have
-  stayed the deepest on their path for `checkpoint_delay_s` (or at close, or when RAM
-  evicts them), so the many checkpoints a session supersedes turn after turn never reach
-  the disk (see `tiers.TieredCache` and `supersede.py`).
+- `through`: a paged model's blocks are written when stored; checkpoints are written once
+  they have stayed the deepest on their path for `checkpoint_delay_s` (or at close, or when
+  RAM evicts them), so the many checkpoints a session supersedes turn after turn never
+  reach the disk (see `tiers.TieredCache` and `supersede.py`).
 - `evict`: only what RAM evicts is written (and nothing at close): the fewest writes, and a
   restart keeps only what had been evicted.
 - `second-use`: an entry is written the first time a later request reuses it; RAM evicts
   never-reused entries without writing them (writing them too would add everything
   `evict` writes, for entries no request has come back to).
 
-Whatever the policy, a checkpoint superseded by a deeper one on the same path is never
-written, and a generation-end checkpoint (state after the model's own output, which a
-client's next turn rarely sends back verbatim) with snapshot state is written only once a
-request reuses it.
+Whatever the policy, on a model with snapshot layers (hybrid):
+
+- a checkpoint superseded by a deeper one on the same path, or a tip the conversation left
+  (supersede.py), is never written;
+- a generation-end checkpoint (state after the model's own output, which a client's next
+  turn rarely sends back verbatim) is written only once a request reuses it, and a reused
+  checkpoint that is not on disk waits `checkpoint_delay_s` like a new one (`through`);
+- blocks are written with the checkpoints that need them, just before them and in order,
+  not when stored: a block helps such a model only under a checkpoint at or after it on
+  its path, so blocks of branches whose checkpoints are never written are never written
+  (except what RAM evicts, spilled as ever, so a later checkpoint still finds them);
+- a periodic checkpoint is written at once only where a crash would otherwise lose more
+  than `SPARSE_PERIODIC_EVERY` intervals of the prefill that made it (tiers.py,
+  `_periodic_due`).
 """
 
 from __future__ import annotations
