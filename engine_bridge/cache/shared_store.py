@@ -119,7 +119,7 @@ class SharedStore:
         self._jobs: OrderedDict[str, _Job] = OrderedDict()
         self._deletes: list[str] = []
         self._queued_bytes = 0
-        self._busy = False
+        self._in_flight = 0  # entries of the batch being sent
         self._closing = False
         self._wake = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._run, name="shared-writer", daemon=True)
@@ -283,7 +283,7 @@ class SharedStore:
         """Wait until every queued write is sent or dropped; False on timeout."""
         end = time.monotonic() + timeout_s
         with self._wake:
-            while self._jobs or self._deletes or self._busy:
+            while self._jobs or self._deletes or self._in_flight:
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
@@ -310,14 +310,14 @@ class SharedStore:
                     self._wake.notify_all()
                     return
                 batch, deletes = self._take_batch()
-                self._busy = True
+                self._in_flight = max(1, len(batch))
             try:
                 self._send(batch, deletes)
             except Exception:
                 log.exception("shared cache: the writer failed on a batch")
             finally:
                 with self._wake:
-                    self._busy = False
+                    self._in_flight = 0
                     self._queued_bytes -= sum(j.nbytes for j in batch)
                     self._wake.notify_all()
 
@@ -406,7 +406,7 @@ class SharedStore:
                 **{
                     **{f: getattr(c, f) for f in c.__slots__},
                     "available": self.health.reads_ok(),
-                    "queued": len(self._jobs),
+                    "queued": len(self._jobs) + self._in_flight,
                     "errors": dict(c.errors),
                     "promotion_ms_mean": sum(lat) / len(lat) if lat else 0.0,
                     "promotion_ms_p95": lat[math.ceil(0.95 * len(lat)) - 1] if lat else 0.0,
