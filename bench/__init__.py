@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-SCENARIOS = ("chat", "agent", "restart", "share", "hybrid", "overhead", "concurrency")
+SCENARIOS = ("chat", "agent", "restart", "share", "hybrid", "overhead", "concurrency", "shared")
 HYBRID_DEFAULT = ("demo-hybrid", "demo-swa")
 
 

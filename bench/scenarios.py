@@ -233,6 +233,7 @@ def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
     from .concurrency import concurrency
     from .overhead import overhead
     from .restart import restart
+    from .shared import shared
 
     return {
         "chat": chat,
@@ -242,6 +243,7 @@ def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
         "hybrid": hybrid,
         "overhead": overhead,
         "concurrency": concurrency,
+        "shared": shared,
     }
 
 
