@@ -87,7 +87,7 @@ _OUTAGES = frozenset({"down", "timeout", "auth"})
 _WHAT = {
     "down": "unreachable",
     "timeout": "no answer within the timeout",
-    "auth": "authentication refused (check the password or ACL user)",
+    "auth": "authentication refused, or the ACL user may not use these keys (check the password, the user and its key pattern)",
     "full": "full (maxmemory reached with a noeviction policy)",
     "corrupt": "an entry failed its checksum or was truncated",
     "error": "a command failed",
