@@ -27,18 +27,25 @@ class RedisServer:
     port: int = field(default_factory=free_port)
     args: tuple[str, ...] = ()
     proc: subprocess.Popen | None = None
+    # A folder with ca.pem, server.pem and server.key (make_certs): TLS only, on `port`.
+    tls: Path | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
         if REDIS_SERVER is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         log = (self.dir / "redis.log").open("a")
+        ports = ["--port", str(self.port)]
+        if self.tls is not None:
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no"]
+            for flag, name in (("cert", "server.pem"), ("key", "server.key"), ("ca-cert", "ca.pem")):  # fmt: skip
+                ports += [f"--tls-{flag}-file", str(self.tls / name)]
         self.proc = subprocess.Popen(
             [
-                REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
+                REDIS_SERVER, *ports, "--bind", "127.0.0.1",
                 "--dir", str(self.dir), "--save", "", "--appendonly", "no", *self.args,
             ],
             stdout=log, stderr=subprocess.STDOUT,
@@ -62,9 +69,31 @@ class RedisServer:
     def client(self) -> redis.Redis:
         args = list(self.args)
         password = args[args.index("--requirepass") + 1] if "--requirepass" in args else None
-        return redis.Redis(host="127.0.0.1", port=self.port, password=password)
+        if self.tls is None:
+            return redis.Redis(host="127.0.0.1", port=self.port, password=password)
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, password=password,
+            ssl=True, ssl_ca_certs=str(self.tls / "ca.pem"),
+        )  # fmt: skip
 
     def calls(self, command: str) -> int:
         """How many times the server ran `command` (INFO commandstats)."""
         stats = self.client().info("commandstats")
         return stats.get(f"cmdstat_{command}", {}).get("calls", 0)
+
+
+def make_certs(folder: Path) -> Path:
+    """A throwaway CA and a server certificate for 127.0.0.1 (the openssl command line)."""
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
+            "-out", "ca.pem", "-days", "2", "-subj", "/CN=mlx-prompt-cache test CA")  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key",
+            "-out", "server.csr", "-subj", "/CN=127.0.0.1")  # fmt: skip
+    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "san.ext")  # fmt: skip
+    return folder

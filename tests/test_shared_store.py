@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 import time
 
 import pytest
 from safetensors.numpy import load as load_safetensors
 
+from bench.shared_redis import make_certs
 from bench.shared_relay import DelayRelay
 from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind
@@ -20,7 +22,13 @@ from engine_bridge.cache.shared_store import SharedStore
 from engine_bridge.cache.ssd_format import decode
 from engine_bridge.cache.tensors import HostTensor
 from tests.conftest import free_port
-from tests.redis_helpers import RedisServer, redis_fixture, redis_server_fixture  # noqa: F401
+from tests.redis_helpers import (  # noqa: F401 (redis_server_fixture: the fixture)
+    REDIS_SERVER,
+    SKIP_REASON,
+    RedisServer,
+    redis_fixture,
+    redis_server_fixture,
+)
 
 SCOPE = Scope("model-s", "alice")
 BLOCK = EntryKind.BLOCK
@@ -301,6 +309,29 @@ def test_a_wrong_or_missing_password_is_a_miss_with_one_warning(locked_redis, ca
     put_all(good, 1)
     assert good.get_many(SCOPE, BLOCK, [key(0)])[0] is not None
     good.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+def test_rediss_with_the_ca_reads_and_writes_and_an_untrusted_server_is_refused(tmp_path, caplog):
+    if REDIS_SERVER is None:
+        pytest.skip(SKIP_REASON)
+    certs = make_certs(tmp_path / "certs")
+    server = RedisServer(tmp_path, tls=certs).start()
+    try:
+        trusting = open_store(server.url, tls_ca=str(certs / "ca.pem"))
+        put_all(trusting, 2)
+        got = trusting.get_many(SCOPE, BLOCK, [key(0), key(1)])
+        assert [as_bytes(e.tensors) for e in got] == [as_bytes(tensors(0)), as_bytes(tensors(1))]
+        plain = open_store(server.url.replace("rediss://", "redis://"))
+        untrusting = open_store(server.url)  # the system's CAs: not ours
+        for s in (plain, untrusting):
+            assert s.sizes(SCOPE, BLOCK, [key(0)]) == [0]
+        assert untrusting.stats().errors["down"] == 1
+        assert any("CERTIFICATE_VERIFY_FAILED" in m for m in warnings_of(caplog))
+        for s in (trusting, plain, untrusting):
+            s.close()
+    finally:
+        server.stop()
 
 
 def test_urls_are_shown_without_their_password():
