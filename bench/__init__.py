@@ -15,7 +15,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-SCENARIOS = ("chat", "agent", "restart", "share", "hybrid", "overhead", "concurrency", "shared")
+SCENARIOS = (
+    "chat",
+    "agent",
+    "restart",
+    "share",
+    "hybrid",
+    "overhead",
+    "concurrency",
+    "shared",
+    "wear",
+)
 HYBRID_DEFAULT = ("demo-hybrid", "demo-swa")
 
 

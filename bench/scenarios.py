@@ -234,6 +234,7 @@ def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
     from .overhead import overhead
     from .restart import restart
     from .shared import shared
+    from .wear import scenario as wear
 
     return {
         "chat": chat,
@@ -244,6 +245,7 @@ def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
         "overhead": overhead,
         "concurrency": concurrency,
         "shared": shared,
+        "wear": wear,
     }
 
 

@@ -34,6 +34,61 @@ SHAPE_OVERRIDES = {
     "num_experts_per_tok": 2,
 }
 SHAPE_REAL_LAYERS = 40
+BLOCK_TOKENS = 64
+
+
+def shape_entry_bytes(shape: str = "qwen3.6-35b-a3b") -> tuple[int, int]:
+    """(block, checkpoint) bytes of the real shape: a 64-token bf16 block of its attention
+    layers' K and V, and a checkpoint of its Gated DeltaNet layers' float32 recurrent and
+    bf16 conv states plus half a block of tail (a checkpoint sits mid-block on average)."""
+    from engine_bridge.probes import SHAPES
+
+    c = SHAPES[shape]["config"]
+    layers, every = c["num_hidden_layers"], c["full_attention_interval"]
+    attention, linear = layers // every, layers - layers // every
+    block = attention * 2 * c["num_key_value_heads"] * c["head_dim"] * BLOCK_TOKENS * 2
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    conv_dim = 2 * hk * dk + hv * dv
+    state = hv * dk * dv * 4 + (c["linear_conv_kernel_dim"] - 1) * conv_dim * 2
+    return block, linear * state + block // 2
+
+
+def scaled(row: dict[str, Any], shape: str = "qwen3.6-35b-a3b") -> dict[str, float]:
+    """A row's entry counts priced at the shape's entry sizes: SSD bytes written, RAM held
+    (and its live part), the final prompt's KV, and the target 1.5 x (final KV + one
+    checkpoint)."""
+    block, ckpt = shape_entry_bytes(shape)
+    files, ram = row["ssd_files"], row["ram_by_kind"]
+    written = files["blocks"][0] * block + files["checkpoints"][0] * ckpt
+    live = ram["blocks"][0] * block + ram["checkpoints"][0] * ckpt
+    final_kv = row["final_prompt_tokens"] // BLOCK_TOKENS * block
+    target = 1.5 * (final_kv + ckpt)
+    return {
+        "written": written,
+        "ram": live + ram["superseded"][0] * ckpt,
+        "ram_live": live,
+        "final_kv": final_kv,
+        "checkpoint": ckpt,
+        "target": target,
+        "written_over_kv_and_checkpoint": written / (final_kv + ckpt),
+    }
+
+
+def _float32_gather_mm_on_cpu() -> None:
+    """MLX's CPU gather_mm (the MoE experts' matmul) takes only float32: run it there in
+    float32 and cast back, so activations, and so the cached keys, values and states, stay
+    bfloat16 as on a Mac."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return
+    gather_mm = mx.gather_mm
+
+    def f32(a, b, *args, **kw):
+        return gather_mm(a.astype(mx.float32), b.astype(mx.float32), *args, **kw).astype(a.dtype)
+
+    mx.gather_mm = f32
 
 
 def _request(body: dict[str, Any], model: str, max_tokens: int):
@@ -203,7 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.shape:
         from engine_bridge.probes import build_shape
 
-        path = build_shape(args.shape, root, SHAPE_OVERRIDES)
+        # Unquantized: MLX's CPU quantized matmul is a scalar loop (a 512-token chunk took
+        # over 10 minutes on 2 cores), and a weight's format changes no cache entry's size.
+        path = build_shape(args.shape, root, SHAPE_OVERRIDES, bits=None)
+        _float32_gather_mm_on_cpu()
         spec, model_id = str(path), path.name
         scale = SHAPE_REAL_LAYERS / SHAPE_OVERRIDES["num_hidden_layers"]
     else:
@@ -215,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     for policy in args.policies.split(","):
         row = run_policy(policy, spec, model_id, root, args)
         row["layer_scale"] = scale
+        row["scaled"] = scaled(row)
+        if args.shape:
+            row["scaled"]["measured_written_x_layers"] = row["ssd_bytes_written"] * scale
+            row["scaled"]["measured_ram_x_layers"] = row["ram_bytes"] * scale
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     label = args.label or "run"
@@ -230,3 +292,57 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def scenario(settings, model) -> Any:
+    """The bench's `wear` scenario: this module's run on demo-hybrid (its own process, as
+    the engine needs), priced at the qwen3.6-35b-a3b entry sizes, in the bench report."""
+    import subprocess
+
+    from .results import Row, ScenarioResult, ratio
+
+    hybrid = "demo-hybrid"
+    result = ScenarioResult("wear", hybrid)
+    turns = settings.size(12, 50)
+    out = settings.out / "wear"
+    cmd = [sys.executable, "-m", "bench.wear", "--model", hybrid, "--turns", str(turns)]
+    cmd += ["--out", str(out), "--label", "bench", "--seed", str(settings.seed)]
+    settings.progress(f"[wear] {turns}-turn session per write policy on {hybrid}")
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        result.errors.append(f"bench.wear exited {proc.returncode}: {proc.stderr[-500:]}")
+        return result.finish()
+    rows = json.loads((out / "wear-bench.json").read_text())["rows"]
+    gb = 1e9
+    for r in rows:
+        s = r["scaled"]
+        files = r["ssd_files"]
+        hits = r["restart_cached_tokens"]
+        prompts = r["restart_prompt_tokens"]
+        result.rows.append(
+            Row(
+                f"SSD GB written per {turns}-turn session, {r['policy']} (scaled)",
+                {"ours": s["written"] / gb},
+                {"written / (final KV + 1 checkpoint)": s["written_over_kv_and_checkpoint"]},
+                note=f"{files['blocks'][0]} blocks / {files['checkpoints'][0]} checkpoints; "
+                f"RAM held {s['ram'] / gb:.2f} GB ({s['ram_live'] / gb:.2f} GB live); after a "
+                f"restart {hits[0]:,} of {prompts[0]:,} (next turn), {hits[1]:,} of "
+                f"{prompts[1]:,} (2nd session)",
+            )
+        )
+        result.metrics[f"{r['policy']}_ssd_bytes_written_scaled"] = s["written"]
+        result.metrics[f"{r['policy']}_restart_hit_ratio"] = r["restart_hit_ratio"]
+    s = rows[0]["scaled"]
+    result.rows.append(
+        Row(
+            "target: 1.5 x (final KV + 1 checkpoint), GB",
+            {"ours": s["target"] / gb},
+            {"through / target": ratio(rows[0]["scaled"]["written"], s["target"])},
+        )
+    )
+    result.notes.append(
+        "Entry counts from demo-hybrid, priced at qwen3.6-35b-a3b's sizes: a 64-token block "
+        f"{s['final_kv'] // max(1, rows[0]['final_prompt_tokens'] // BLOCK_TOKENS):,} B, "
+        f"a checkpoint {s['checkpoint']:,} B (python -m bench.wear; README, SSD wear)."
+    )
+    return result.finish()
