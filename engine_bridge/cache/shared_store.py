@@ -140,8 +140,9 @@ class SharedStore:
         replies = self._pipeline(lambda p: [p.strlen(n) for n in names])
         if replies is None:
             return [0] * len(keys)
-        sizes = [r if isinstance(r, int) else 0 for r in replies]
         with self._lock:
+            # A value found corrupt is a miss until its delete has gone out.
+            sizes = [r if isinstance(r, int) and n not in self._deletes else 0 for n, r in zip(names, replies, strict=True)]  # fmt: skip
             self._c.lookups += 1
             self._c.hits += sum(1 for s in sizes if s)
             for name, size in zip(names, sizes, strict=True):
@@ -328,12 +329,13 @@ class SharedStore:
             _, job = self._jobs.popitem(last=False)
             batch.append(job)
             nbytes += job.nbytes
-        deletes, self._deletes = self._deletes, []
-        return batch, deletes
+        return batch, list(self._deletes)
 
     def _send(self, batch: list[_Job], deletes: list[str]) -> None:
         if deletes:
             self._pipeline(lambda p: [p.delete(n) for n in deletes])
+            with self._lock:
+                self._deletes = [n for n in self._deletes if n not in deletes]
         batch = [j for j in batch if j.skip is None or not j.skip()]
         if not batch:
             return
