@@ -23,18 +23,36 @@ BLOCK_BYTES = block(0).nbytes
 
 
 def test_the_record_keeps_the_newest_keys_and_their_cause():
-    record = EvictionRecord(capacity=3)
+    record = EvictionRecord(capacity=6)  # two generations of 3
     record.add([b"a", b"b"])
-    record.add([b"c", b"d"], "expired")
+    record.add([b"c", b"d"], "expired")  # c fills the new generation: a, b, c become the old
     assert [record.cause(k) for k in (b"a", b"b", b"c", b"d")] == [
-        None,
+        "evicted",
         "evicted",
         "expired",
         "expired",
     ]
     record.add([b"b"], "expired")  # dropped again, for another reason: the newest counts
-    record.add([b"e"])
-    assert (record.cause(b"b"), record.cause(b"c"), len(record)) == ("expired", None, 3)
+    assert (record.cause(b"b"), len(record)) == ("expired", 4)
+    record.add([b"e"])  # d, b, e fill the new generation: a and c go with the old one
+    assert [record.cause(k) for k in (b"a", b"b", b"c", b"d", b"e")] == [
+        None,
+        "expired",
+        None,
+        "expired",
+        "evicted",
+    ]
+    assert len(record) == 3
+
+
+def test_the_record_stays_bounded_and_knows_the_newest_half():
+    record = EvictionRecord(capacity=1000)
+    keys = [i.to_bytes(32, "big")[::-1] for i in range(10_000)]  # distinct first 8 bytes
+    for key in keys:
+        record.add([key])
+        assert len(record) <= 1000
+    assert all(record.cause(k) == "evicted" for k in keys[-500:])
+    assert all(record.cause(k) is None for k in keys[:9000])
 
 
 def test_blocks_ram_evicted_without_an_ssd_are_evicted_ram():
