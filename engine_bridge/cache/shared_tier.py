@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from engine_bridge.cache.manager import Entry
     from engine_bridge.cache.matching import Match
 
+# Blocks asked about in the first round trip of a lookup, then four times as many.
+_BLOCK_STEP = 64
 # Checkpoint positions asked per round trip, then four times as many: a checkpoint near
 # the deepest block (the usual case) costs one small pipeline.
 _CHECKPOINT_STEP = 64
@@ -60,14 +62,19 @@ class SharedTier:
     # ---- lookup -------------------------------------------------------------------------
 
     def present_blocks(self, scope: Scope, hashes: Sequence[bytes], in_ram: list[bool]) -> int:
-        """How many leading `hashes` RAM or the store holds: one round trip for the rest."""
-        wanted = [h for h, here in zip(hashes, in_ram, strict=True) if not here]
-        sizes = iter(self.store.sizes(scope, EntryKind.BLOCK, wanted))
-        n = 0
-        for here in in_ram:
-            if not (here or next(sizes)):
-                break
-            n += 1
+        """How many leading `hashes` RAM or the store holds. The store is asked about the
+        next _BLOCK_STEP blocks RAM lacks, then four times as many: a prompt whose tail
+        it lacks costs one small round trip, a 30k-token hit three."""
+        n, step = 0, _BLOCK_STEP
+        while n < len(hashes):
+            end = min(len(hashes), n + step)
+            wanted = [h for h, here in zip(hashes[n:end], in_ram[n:end], strict=True) if not here]
+            sizes = iter(self.store.sizes(scope, EntryKind.BLOCK, wanted))
+            for here in in_ram[n:end]:
+                if not (here or next(sizes)):
+                    return n
+                n += 1
+            step *= 4
         return n
 
     def deepest_checkpoint(self, chain: Chain, scope: Scope, lo: int, hi: int) -> int | None:
