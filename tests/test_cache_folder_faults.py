@@ -27,17 +27,17 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from conftest import fresh_cache_dir, start_server
-from test_ssd_server import (
-    _QUESTIONS,
+from ssd_server_helpers import (
     HYBRID,
     LLAMA,
     NO_UPSTREAM,
+    QUESTIONS,
     Conversation,
     chat,
     system_prompt,
 )
-from test_ssd_server import drained as drained_ssd
-from test_ssd_server import stats as server_stats
+from ssd_server_helpers import drained as drained_ssd
+from ssd_server_helpers import stats as server_stats
 
 from engine_bridge import kv
 from engine_bridge.cache.hashing import Chain
@@ -230,7 +230,7 @@ def restart_hits_ssd_like_bypass(cache_dir: Path, log_path: Path, convs: list[Co
     server = start_server(cache_dir, *NO_UPSTREAM, log_path=log_path)
     try:
         for conv in convs:
-            conv.messages.append({"role": "user", "content": _QUESTIONS[3]})
+            conv.messages.append({"role": "user", "content": QUESTIONS[3]})
             cached = chat(server.url, conv.model, conv.prompt())
             cold = chat(server.url, conv.model, conv.prompt(), bypass=True)
             assert cached.source == "ssd", (conv.model, cached)
@@ -254,7 +254,7 @@ def test_cache_folder_deleted_while_serving_loses_nothing_ram_holds(demo_root, t
     try:
         convs = [Conversation(model, system_prompt("deleted")) for model in (LLAMA, HYBRID)]
         for conv in convs:
-            conv.ask(server.url, _QUESTIONS[0])
+            conv.ask(server.url, QUESTIONS[0])
         before = drained(server)
         # The whole folder moved to the Trash and emptied: entries, index, and the demo
         # models with them (loaded models keep serving; a restart builds the demo models
@@ -264,7 +264,7 @@ def test_cache_folder_deleted_while_serving_loses_nothing_ram_holds(demo_root, t
         cache_dir.rename(trash)
         shutil.rmtree(trash)
         for conv in convs:
-            reply = ask_like_bypass(server.url, conv, _QUESTIONS[1])
+            reply = ask_like_bypass(server.url, conv, QUESTIONS[1])
             assert reply.source == "ram" and reply.cached > 0, reply
         after = drained(server)
         log = server.log()
@@ -307,7 +307,7 @@ def test_permission_change_while_serving_goes_ram_only_then_resumes(demo_root, t
     server = start_server(cache_dir, *NO_UPSTREAM, log_path=tmp_path / "first.log", prefix=prefix)
     try:
         first = Conversation(LLAMA, system_prompt("perm"))
-        first.ask(server.url, _QUESTIONS[0])
+        first.ask(server.url, QUESTIONS[0])
         written = drained(server)
         # `chmod -R a-w` on the cache (models/ aside): no folder takes a new file.
         folders = [cache_dir] + [
@@ -319,7 +319,7 @@ def test_permission_change_while_serving_goes_ram_only_then_resumes(demo_root, t
             folder.chmod(0o500)
         during = [first, Conversation(HYBRID, system_prompt("denied"))]
         for conv in during:
-            ask_like_bypass(server.url, conv, _QUESTIONS[1])
+            ask_like_bypass(server.url, conv, QUESTIONS[1])
         denied = drained(server)
         for folder in folders:
             folder.chmod(0o700)
@@ -327,7 +327,7 @@ def test_permission_change_while_serving_goes_ram_only_then_resumes(demo_root, t
             lambda: not server_stats(server)["ssd"]["disabled"], timeout=40, what="writes to resume"
         )
         # The next request puts again what RAM took in while the folder was read-only.
-        ask_like_bypass(server.url, Conversation(LLAMA, system_prompt("resumed")), _QUESTIONS[0])
+        ask_like_bypass(server.url, Conversation(LLAMA, system_prompt("resumed")), QUESTIONS[0])
         resumed = drained(server)
         log = server.log()
     finally:

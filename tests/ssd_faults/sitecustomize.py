@@ -1,4 +1,4 @@
-"""Disk faults for a real server process, loaded through PYTHONPATH by test_ssd_server.py.
+"""Disk faults for a real server process, loaded through PYTHONPATH by the server tests.
 
 Only the SSD tier's entry files are affected: temp files (`.<hash>.<pid>.<rand>.tmp`) and
 the folders under `$MPC_FAULT_ROOT/<model>/`; the index, `models/` and everything else
