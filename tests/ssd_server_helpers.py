@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 from conftest import REPO, Server
+from prose import prose
 
 from engine_bridge.cache.index import Index
 from engine_bridge.cache.ssd_format import verify_file
@@ -24,15 +25,6 @@ MAX_TOKENS = 16
 FAULTS = Path(__file__).resolve().parent / "ssd_faults"
 NO_UPSTREAM = ("--upstream", "http://127.0.0.1:9")
 
-_SENTENCES = (
-    "The {0} service keeps every order in one ledger and writes it to disk each night.",
-    "A request for the {0} report must name the region, the month and the currency.",
-    "When the {0} queue is longer than forty jobs, new jobs wait and the caller is told.",
-    "Never delete a {0} record; mark it closed and keep the history for seven years.",
-    "Times in the {0} logs are UTC, and every line starts with the id of its request.",
-    "If a {0} customer asks for a refund, check the ledger before you promise anything.",
-)
-_TOPICS = ("billing", "shipping", "inventory", "payroll", "support", "search", "audit")
 QUESTIONS = (
     "Which region does the billing report need first?",
     "How long do we keep closed payroll records, and why?",
@@ -44,11 +36,7 @@ QUESTIONS = (
 
 def system_prompt(salt: str = "", sentences: int = 20) -> str:
     """Plain, varied prose of about 20 tokens a sentence (20 sentences ≈ 400 tokens)."""
-    lines = [
-        _SENTENCES[i % len(_SENTENCES)].format(_TOPICS[(i * 5 + i // 6) % len(_TOPICS)])
-        for i in range(sentences)
-    ]
-    return f"{salt} " + " ".join(lines) if salt else " ".join(lines)
+    return f"{salt} " + prose(sentences) if salt else prose(sentences)
 
 
 @dataclass(slots=True)

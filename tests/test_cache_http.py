@@ -15,6 +15,7 @@ import httpx
 import pytest
 from cache_driver import Driver, common_prefix
 from conftest import DEMO_IDS, fresh_cache_dir, start_server
+from prose import prose
 
 from engine_bridge import models
 from engine_bridge.prompt import CLAUDE_CODE_BILLING_HEADER, render_chat
@@ -25,24 +26,10 @@ LLAMA = "demo-llama"
 LLAMA_BLOCK_BYTES = 2 * 2 * 2 * 16 * 64 * 4
 LLAMA_TOKEN_BYTES = LLAMA_BLOCK_BYTES // 64
 
-_SENTENCES = (
-    "The {0} service keeps every order in one ledger and writes it to disk each night.",
-    "A request for the {0} report must name the region, the month and the currency.",
-    "When the {0} queue is longer than forty jobs, new jobs wait and the caller is told.",
-    "Never delete a {0} record; mark it closed and keep the history for seven years.",
-    "Times in the {0} logs are UTC, and every line starts with the id of its request.",
-    "If a {0} customer asks for a refund, check the ledger before you promise anything.",
-)
-_TOPICS = ("billing", "shipping", "inventory", "payroll", "support", "search", "audit")
-
 
 def long_system(sentences: int, salt: str = "") -> str:
     """A system prompt of plain, varied prose: about 20 tokens per sentence."""
-    lines = [
-        _SENTENCES[i % len(_SENTENCES)].format(_TOPICS[(i * 5 + i // 6) % len(_TOPICS)])
-        for i in range(sentences)
-    ]
-    return salt + " ".join(lines)
+    return salt + prose(sentences)
 
 
 @dataclass(slots=True)
