@@ -301,6 +301,8 @@ class SessionCache:
         """`drop_ram` the idle sessions but those in `busy` (MLX thread)."""
         keys = [k for k in self.idle() if k not in busy]
         freed, plan = self.drop_ram(keys) if keys else (Freed(), SSDPlan())
+        for hashes in plan.keys.values():
+            self.tiers.note_expired(hashes)
         return keys, freed, plan
 
     def idle(self, now: float | None = None) -> list[SessionKey]:

@@ -249,11 +249,19 @@ class TieredCache:
             cause = self.ssd.evicted.cause(key) if self.ssd is not None else None
             if cause is not None:
                 return "expired" if cause == "expired" else "evicted_ssd"
-            if self.ram.evicted.cause(key) is not None:
+            cause = self.ram.evicted.cause(key)
+            if cause is not None:
                 if self.ssd is not None and self.ssd.contains_many(scope, kind, [key])[0]:
                     continue  # spilled: still on disk, so not what cut this hit short
-                return "evicted_ram"
+                return "expired" if cause == "expired" else "evicted_ram"
         return None
+
+    def note_expired(self, keys: Sequence[BlockHash]) -> None:
+        """Entries an idle session's expiry ([cache] session_ttl) drops from both tiers:
+        recorded, so the session's next request names its miss "expired"."""
+        self.ram.evicted.add(keys, "expired")
+        if self.ssd is not None:
+            self.ssd.evicted.add(keys, "expired")
 
     def pin(self, hit: Hit, *, promoted: bool) -> Match:
         """The match to restore from, pinned: the lookup's own when nothing was promoted,
