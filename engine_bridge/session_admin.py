@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from . import models
 from .cache.sessions import SessionKey
 from .jobs import Job
+from .session_prune import GoneEntries
 from .sessions import Freed, SessionCache, SessionView
 from .types import EngineError
 
@@ -42,6 +43,7 @@ class Deleted:
 class SessionAdmin:
     def __init__(self, sessions: SessionCache, on_mlx: OnMlx, entries: Mapping[str, ModelEntry]):
         self.sessions = sessions
+        self.gone = GoneEntries(sessions)
         self._on_mlx = on_mlx
         self._entries = entries  # the engine's models, by id
 
@@ -122,7 +124,8 @@ class SessionAdmin:
         return len(keys)
 
     async def upkeep(self) -> None:
-        """Expire idle sessions and save the registry every so often (the engine's janitor)."""
+        """Expire idle sessions, forget entries no tier holds, and save the registry every so
+        often (the engine's janitor)."""
         ttl = self.sessions.ttl_s
         period = SAVE_S if ttl is None else max(0.2, min(SAVE_S, ttl / 4))
         while True:
@@ -130,6 +133,9 @@ class SessionAdmin:
             try:
                 if ttl is not None:
                     await self.expire_idle()
+                confirmed = await asyncio.to_thread(self.gone.look)
+                if confirmed:
+                    await self._on_mlx(self.gone.forget, confirmed)
                 await asyncio.to_thread(self.sessions.save)
             except Exception:
                 log.exception("session upkeep failed")

@@ -137,7 +137,7 @@ class SessionCache:
 
     def _view(self, rec: SessionRecord, refs) -> SessionView:
         ram_unique = ssd_unique = shared = 0
-        on_disk = self._disk_sizes(rec)
+        on_disk = self.disk_sizes(rec)
         for eid in rec.entry_ids():
             kind, key = eid
             entry = self.tiers.ram.entry(kind, key)
@@ -160,7 +160,7 @@ class SessionCache:
             rec.pinned,
         )
 
-    def _disk_sizes(self, rec: SessionRecord) -> dict[EntryId, int]:
+    def disk_sizes(self, rec: SessionRecord) -> dict[EntryId, int]:
         ssd = self.tiers.ssd
         if ssd is None:
             return {}

@@ -17,6 +17,7 @@ from engine_bridge.cache.session_store import SessionStore
 from engine_bridge.cache.sessions import MAX_CHAINS, SessionKey, SessionRegistry
 from engine_bridge.cache.ssd_offline import offline_clear
 from engine_bridge.cache.tiers import TieredCache
+from engine_bridge.session_prune import GoneEntries
 from engine_bridge.sessions import SessionCache
 from engine_bridge.types import EngineError
 
@@ -187,3 +188,47 @@ def test_a_deleted_sessions_checkpoint_waiting_to_be_written_is_never_written(se
     freed, _ = sessions.drop_ram([key("a")])
     assert (freed.entries, freed.bytes) == (5, 450)
     assert deferred.flush(everything=True) == 0 and written == []
+
+
+def test_entries_no_tier_holds_are_forgotten_after_two_looks(sessions):
+    ram = sessions.tiers.ram
+    a = stored(sessions, "a", 1)
+    b = stored(sessions, "b", 2)
+    gone = GoneEntries(sessions, min_gap_s=0)
+    ram.set_budget(400)  # a squeeze: A's own two blocks are the least recently used
+    assert ram.has_blocks(a.hashes) == [True, True, False, False]
+    assert gone.look() == {}, "a first look only suspects"
+    confirmed = gone.look()
+    assert confirmed == {key("a"): [(EntryKind.BLOCK, h) for h in a.hashes[2:]]}
+    assert gone.forget(confirmed) == 2
+    rec = sessions.registry.get(key("a"))
+    assert list(rec.blocks) == a.hashes[:2] and rec.chains == [a.hashes[:2]]
+    assert list(sessions.registry.get(key("b")).blocks) == b.hashes
+    assert key("a") in sessions.registry.dirty  # the store rewrites the smaller record
+    # Deleting A now frees nothing of B's, as before.
+    freed, _ = sessions.drop_ram([key("a")])
+    assert freed.entries == 0 and ram.has_blocks(b.hashes) == [True] * 4
+
+
+def test_an_entry_back_in_ram_by_the_second_look_or_the_forget_is_kept(sessions):
+    ram = sessions.tiers.ram
+    a = stored(sessions, "a", 1)
+    stored(sessions, "b", 2)
+    gone = GoneEntries(sessions, min_gap_s=0)
+    ram.set_budget(400)
+    gone.look()
+    ram.set_budget(10_000)
+    ram.insert_blocks(a, {2: Payload(100)})  # stored again between the looks
+    confirmed = gone.look()
+    assert confirmed == {key("a"): [(EntryKind.BLOCK, a.hashes[3])]}
+    ram.insert_blocks(a, {3: Payload(100)})  # and again before the forget
+    assert gone.forget(confirmed) == 0
+    assert list(sessions.registry.get(key("a")).blocks) == a.hashes
+
+
+def test_looks_closer_than_the_gap_are_skipped(sessions):
+    stored(sessions, "a", 1)
+    gone = GoneEntries(sessions, min_gap_s=3600)
+    sessions.tiers.ram.set_budget(0)
+    gone.look()
+    assert gone.look() == {}

@@ -174,6 +174,47 @@ class SessionRegistry:
                     self.removed.add(key)
                     self.dirty.discard(key)
 
+    def keys(self) -> list[SessionKey]:
+        with self._lock:
+            return list(self._records)
+
+    def copies(self, keys: Iterable[SessionKey]) -> list[SessionRecord]:
+        """Copies of the records of `keys` that exist, for readers on other threads."""
+        with self._lock:
+            return [r.copy() for r in map(self._records.get, keys) if r is not None]
+
+    def forget(self, key: SessionKey, ids: Iterable[EntryId]) -> int:
+        """Drop entries that no tier holds any more from a session's record (MLX thread):
+        they are nobody's to list or delete, and a registry that runs for weeks would
+        otherwise keep a hash of every block each session ever touched. Its chains end
+        before their first dropped block; the depth they give stops there anyway. Returns
+        how many entries were dropped."""
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None:
+                return 0
+            dropped: set[BlockHash] = set()
+            n = 0
+            for kind, h in ids:
+                held = rec.blocks if kind is EntryKind.BLOCK else rec.checkpoints
+                if h not in held:
+                    continue
+                del held[h]
+                n += 1
+                if kind is EntryKind.BLOCK:
+                    dropped.add(h)
+                else:
+                    rec.positions.pop(h, None)
+            if dropped:
+                cut = (
+                    chain[: next((i for i, h in enumerate(chain) if h in dropped), len(chain))]
+                    for chain in rec.chains
+                )
+                rec.chains = [chain for chain in cut if chain]
+            if n:
+                self.dirty.add(key)
+            return n
+
     def set_pinned(self, key: SessionKey, pinned: bool) -> None:
         with self._lock:
             rec = self._records.get(key)
