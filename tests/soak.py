@@ -41,6 +41,10 @@ from tests.soak_report import Sample, evaluate, write_report
 DEFAULT_SEED = 20261201
 MODELS = ("demo-llama", "demo-hybrid", "demo-swa")
 RAM_BUDGET = 64_000_000  # small, so the RAM tier is full and evicting for most of the run
+# The SSD tier too: 10,000 requests write about 720 MB, so it is full from a fifth of the
+# way in. An SSD tier still filling up holds a growing index and a growing session registry,
+# which would read as a leak.
+SSD_MAX_BYTES = 128_000_000
 # Headroom over the RSS at ready plus the RAM budget: live K/V of a full batch, the SSD
 # writer's queue, MLX's buffer cache and allocator slack. Stated here, reported with the run.
 MARGIN_BYTES = 256_000_000
@@ -63,6 +67,7 @@ class Settings:
     stream_share: float = 0.5
     sample_share: float = 0.03
     ram_budget: int = RAM_BUDGET
+    ssd_max: int = SSD_MAX_BYTES
     margin: int = MARGIN_BYTES
 
 
@@ -391,8 +396,9 @@ def soak(url: str, pid: int, settings: Settings, progress=sys.stderr) -> dict[st
 class demo_server:
     """A proxy on the demo models in a scratch cache dir, upstream off, RAM tier small."""
 
-    def __init__(self, ram_budget: int) -> None:
+    def __init__(self, ram_budget: int, ssd_max: int = SSD_MAX_BYTES) -> None:
         self.ram_budget = ram_budget
+        self.ssd_max = ssd_max
 
     def __enter__(self):
         from engine_bridge.demo import ensure_demo_model
@@ -402,7 +408,10 @@ class demo_server:
         root = Path(self._tmp.name)
         for name in MODELS:
             ensure_demo_model(name, root)
-        env = {"MLX_PROMPT_CACHE_UPSTREAM_ENABLED": "false"}
+        env = {
+            "MLX_PROMPT_CACHE_UPSTREAM_ENABLED": "false",
+            "MLX_PROMPT_CACHE_CACHE_SSD_MAX_SIZE": str(self.ssd_max),
+        }
         self.server = start_server(root, "--ram-budget", str(self.ram_budget), env=env)
         return self.server
 
@@ -421,7 +430,7 @@ def server_errors(log: str) -> list[str]:
 
 
 def run(settings: Settings, out: Path | None = None) -> dict[str, Any]:
-    with demo_server(settings.ram_budget) as server:
+    with demo_server(settings.ram_budget, settings.ssd_max) as server:
         result = soak(server.url, server.proc.pid, settings)
         result["server_log_errors"] = server_errors(server.log())
         result["server_alive"] = server.proc.poll() is None

@@ -107,6 +107,9 @@ def evaluate(
         "ram_tier_mb": round(ram.get("bytes", 0) / MB, 1),
         "ram_evicted_mb": round(ram.get("evicted_bytes", 0) / MB, 1),
         "ssd_written_mb": round(stats.get("ssd", {}).get("bytes_written", 0) / MB, 1),
+        "ssd_max_mb": round(stats.get("ssd", {}).get("max_bytes", 0) / MB, 1),
+        "ssd_tier_mb": round(stats.get("ssd", {}).get("bytes", 0) / MB, 1),
+        "ssd_evictions": stats.get("ssd", {}).get("evictions", 0),
         "cancelled": requests.get("cancelled"),
     }
     return {

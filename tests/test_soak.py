@@ -7,10 +7,12 @@ from tests.soak import Settings, demo_server, server_errors, soak
 
 
 def test_sixteen_clients_leave_no_errors_no_leaked_descriptors_and_bypass_equal_answers():
-    # A tiny RAM budget fills within the run, so the second half is eviction and SSD
-    # write-through at steady state, which is where a leak would show as RSS growth.
-    settings = Settings(requests=240, clients=16, sample_share=0.12, ram_budget=4_000_000)
-    with demo_server(settings.ram_budget) as server:
+    # A tiny RAM budget and SSD tier fill within the run, so the second half is eviction
+    # and SSD write-through at steady state, which is where a leak would show as RSS growth.
+    settings = Settings(
+        requests=240, clients=16, sample_share=0.12, ram_budget=4_000_000, ssd_max=8_000_000
+    )
+    with demo_server(settings.ram_budget, settings.ssd_max) as server:
         result = soak(server.url, server.proc.pid, settings)
         log_errors = server_errors(server.log())
         alive = server.proc.poll() is None
@@ -23,3 +25,4 @@ def test_sixteen_clients_leave_no_errors_no_leaked_descriptors_and_bypass_equal_
     assert s["fds_end"] == s["fds_start"]
     assert s["bypass_compared"] >= 10 and s["bypass_mismatches"] == 0
     assert s["ram_evicted_mb"] > 0  # the tier was full: eviction ran during the soak
+    assert s["ssd_evictions"] > 0 and s["ssd_tier_mb"] <= s["ssd_max_mb"] == 8.0
