@@ -30,7 +30,30 @@ def _malloc_trim():
     return trim
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd",
+            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+def _mallinfo2():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        info = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2  # glibc 2.33+
+    except (OSError, AttributeError):
+        return None
+    info.argtypes = []
+    info.restype = _Mallinfo2
+    return info
+
+
 _TRIM = _malloc_trim()
+_INFO = _mallinfo2()
 
 
 def trim() -> bool:
@@ -39,3 +62,17 @@ def trim() -> bool:
         return False
     _TRIM(0)
     return True
+
+
+def usage() -> dict[str, int]:
+    """The C heap, every arena: bytes in use (MLX's CPU buffers included), bytes free but
+    kept, and bytes in mmapped chunks. Empty where the C library cannot say. Free bytes that
+    grow while in-use bytes do not are fragmentation, not a leak."""
+    if _INFO is None:
+        return {}
+    m = _INFO()
+    return {
+        "heap_in_use_bytes": m.uordblks + m.hblkhd,
+        "heap_free_bytes": m.fordblks,
+        "heap_mmap_bytes": m.hblkhd,
+    }

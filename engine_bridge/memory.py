@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import psutil
 
+from . import heap
 from .cache.tiers import TieredCache
 from .engine_settings import EngineSettings
 
@@ -22,11 +23,13 @@ HEAP_TRIM_S = 30.0
 
 
 def mlx_memory() -> dict[str, int]:
-    """MLX's own allocator: arrays alive, freed buffers it keeps for reuse, and the peak."""
+    """MLX's own allocator: arrays alive, freed buffers it keeps for reuse, and the peak;
+    and, where the C library says, the heap under it (heap.usage)."""
     return {
         "mlx_active_bytes": mx.get_active_memory(),
         "mlx_cache_bytes": mx.get_cache_memory(),
         "mlx_peak_bytes": mx.get_peak_memory(),
+        **heap.usage(),
     }
 
 

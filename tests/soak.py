@@ -260,7 +260,7 @@ class Monitor:
 
     def __init__(self, url: str, pid: int, tally: Tally, period: float = 0.5) -> None:
         self.url = url
-        self.mlx = (0, 0)
+        self.mlx = (0, 0, 0, 0)
         self.process = psutil.Process(pid)
         self.tally = tally
         self.period = period
@@ -277,11 +277,18 @@ class Monitor:
             done=self.tally.completed + len(self.tally.errors),
             mlx_active=self.mlx[0],
             mlx_cache=self.mlx[1],
+            heap_in_use=self.mlx[2],
+            heap_free=self.mlx[3],
         )
 
     def _poll_mlx(self) -> None:
         memory = httpx.get(self.url + "/v1/cache/stats", timeout=30).json()["memory"]
-        self.mlx = (memory["mlx_active_bytes"], memory["mlx_cache_bytes"])
+        self.mlx = (
+            memory["mlx_active_bytes"],
+            memory["mlx_cache_bytes"],
+            memory.get("heap_in_use_bytes", 0),
+            memory.get("heap_free_bytes", 0),
+        )
 
     def _run(self) -> None:
         for n in itertools.count():

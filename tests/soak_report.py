@@ -22,10 +22,15 @@ class Sample:
     # From /v1/cache/stats, polled every few samples: MLX's live arrays and its buffer cache.
     mlx_active: int = 0
     mlx_cache: int = 0
+    # The C heap under everything (MLX's CPU buffers included), where glibc says: bytes in
+    # use, and bytes freed but kept. Growth in the second tells fragmentation from a leak.
+    heap_in_use: int = 0
+    heap_free: int = 0
 
 
-def growth(samples: list[Sample]) -> tuple[int, float]:
-    """RSS growth over the second half of the run: (end minus start of that half, MB/min).
+def growth(samples: list[Sample], figure: str = "rss") -> tuple[int, float]:
+    """Growth of RSS (or another figure) over the second half of the run: (end minus
+    start of that half, MB/min).
 
     Medians of the first and last fifth of the second half, so one sample's spike is not
     taken for a trend.
@@ -34,11 +39,10 @@ def growth(samples: list[Sample]) -> tuple[int, float]:
     if len(half) < 5:
         return 0, 0.0
     k = max(len(half) // 5, 1)
-    grew = int(
-        statistics.median(s.rss for s in half[-k:]) - statistics.median(s.rss for s in half[:k])
-    )
+    values = [getattr(s, figure) for s in half]
+    grew = int(statistics.median(values[-k:]) - statistics.median(values[:k]))
     ts = [s.t for s in half]
-    slope = statistics.linear_regression(ts, [s.rss for s in half]).slope if len(set(ts)) > 1 else 0
+    slope = statistics.linear_regression(ts, values).slope if len(set(ts)) > 1 else 0
     return grew, slope * 60 / MB
 
 
@@ -99,6 +103,8 @@ def evaluate(
         "rss_second_half_slope_mb_per_min": round(slope, 2),
         "mlx_cache_peak_mb": round(max(x.mlx_cache for x in samples) / MB, 1),
         "mlx_active_peak_mb": round(max(x.mlx_active for x in samples) / MB, 1),
+        "heap_in_use_second_half_growth_mb": round(growth(samples, "heap_in_use")[0] / MB, 1),
+        "heap_free_second_half_growth_mb": round(growth(samples, "heap_free")[0] / MB, 1),
         "fds_start": start_fds,
         "fds_end": end_fds,
         "bypass_compared": compared,
