@@ -98,6 +98,8 @@ class Engine:
             checkpoint_delay_s=settings.ssd_checkpoint_delay_s,
             periodic_write_every=settings.cache_policy.checkpoint_interval * SPARSE_PERIODIC_EVERY,
         )
+        # Held-back checkpoint writes that come due between requests go out on the MLX thread.
+        self.tiers.call_on_mlx = self.scheduler.call
         self.memory = MemoryGuard(self.tiers, settings)
         self.sessions = SessionCache(
             self.tiers,

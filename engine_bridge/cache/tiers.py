@@ -555,7 +555,10 @@ class TieredCache:
             self._flush_asked.clear()
             self.deferred.flush()
 
-        self.call_on_mlx(flush)
+        try:
+            self.call_on_mlx(flush)
+        except RuntimeError:  # the MLX thread has stopped: close writes what is left
+            self._flush_asked.clear()
 
     def _spill(self, entry: Entry) -> None:
         """RAM eviction hook: write what is not on disk yet instead of losing it, except
