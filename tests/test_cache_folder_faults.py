@@ -125,9 +125,10 @@ def test_deleted_folder_is_made_again_and_what_ram_holds_is_written_again(
             (root / "index.sqlite3").unlink()
         else:
             shutil.rmtree(root / SCOPE.model)
-        # The next request stores a block of another prompt: its write finds the loss.
+        # The next request stores the first message boundary of another prompt: its write
+        # finds the loss (a hybrid model's blocks wait for a checkpoint; this one goes at once).
         other = chain(list(range(900, 904)))
-        t.store_blocks(other, SCOPE, {0: block(50)})
+        t.store_checkpoint(other, SCOPE, 3, checkpoint(3), Reason.BOUNDARY)
         assert t.ssd.flush()
         # RAM still answers in full, and the next lookup puts the lost entries again.
         assert t.lookup(c, SCOPE, needs_checkpoint=False).ram_length == 28
@@ -148,7 +149,7 @@ def test_deleted_folder_is_made_again_and_what_ram_holds_is_written_again(
     # Only the index was lost: its files were adopted again, so nothing was rewritten.
     assert stats.writes == (1 + 8 if deleted == "index" else 1 + 8 + 8), stats
     assert on_disk(root, c) == [True] * 8
-    assert on_disk(root, other, ()) == [True]
+    assert on_disk(root, other, (3,)) == [False, True]  # no block stored, the checkpoint
 
 
 def test_spill_only_tier_spills_again_what_the_deleted_folder_held(tmp_path):
