@@ -167,7 +167,7 @@ def test_superseded_checkpoints_are_evicted_first_and_never_written(tmp_path):
         t.ram.set_budget(t.ram.stats().bytes - 1)
         # Before any block or live checkpoint, though they were used longer ago.
         assert [e.position for e in evicted] == [13]
-        t.ram.on_evict = t._spill
+        t.ram.on_evict = t.writes.spill
         # The first boundary went at once (every session of the project resumes there);
         # 22 is held back until it has stayed the deepest a while, or until close.
         assert on_disk(ssd, EntryKind.CHECKPOINT, keys) == [True, False, False, False]

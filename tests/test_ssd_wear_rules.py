@@ -200,8 +200,8 @@ def test_a_held_back_write_that_comes_due_goes_out_on_the_mlx_thread(tmp_path):
         store(t, c, (5, Reason.BOUNDARY), (22, Reason.PROMPT_END))
         while not t.deferred.due():
             pass
-        t._tick()  # the SSD writer's tick: it converts nothing itself
-        t._tick()  # one call at a time
+        t.writes.tick()  # the SSD writer's tick: it converts nothing itself
+        t.writes.tick()  # one call at a time
         assert len(asked) == 1 and checkpoints_on_disk(ssd, c, (5, 22)) == {5}
         asked[0]()  # what the MLX thread runs
         assert checkpoints_on_disk(ssd, c, (5, 22)) == {5, 22}
