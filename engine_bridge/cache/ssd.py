@@ -11,18 +11,12 @@ write resumes once a probe succeeds (ssd_health); either way the owner hears of 
 
 from __future__ import annotations
 
-import errno
 import logging
-import math
-import os
 import sqlite3
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Literal, NamedTuple
 
 from engine_bridge.cache import ssd_files as files
 from engine_bridge.cache import ssd_health as health
@@ -30,9 +24,19 @@ from engine_bridge.cache import ssd_maintenance as maintenance
 from engine_bridge.cache.evictions import Cause, EvictionRecord
 from engine_bridge.cache.index import EntryRow, Index, RawId, Scope
 from engine_bridge.cache.kinds import EntryKind
-from engine_bridge.cache.ssd_format import FormatError, encode, read_entry
+from engine_bridge.cache.ssd_format import encode
 from engine_bridge.cache.ssd_maintenance import ReconcileReport
 from engine_bridge.cache.ssd_offline import offline_clear, offline_ls, offline_stats
+from engine_bridge.cache.ssd_read import Unreadable, read_file
+from engine_bridge.cache.ssd_types import (
+    Counters,
+    OnLost,
+    PutOutcome,
+    PutReason,
+    SSDConfig,
+    SSDEntry,
+    SSDStats,
+)
 from engine_bridge.cache.ssd_writer import Job, Writer
 from engine_bridge.cache.tensors import HostTensor
 from engine_bridge.cache.wear import WEAR_FILE, WearMeter
@@ -53,97 +57,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PutReason = Literal["spill", "write_through"]
-PutOutcome = Literal["queued", "duplicate", "dropped", "disabled"]
-# Told that entries it put may be gone from disk (of one scope, or None: all of them);
-# returns how many entries it still holds in RAM and will put again.
-OnLost = Callable[[Scope | None], int]
-_LATENCY_WINDOW = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class SSDConfig:
-    root: Path
-    max_bytes: int = 10 * 1000**3
-    ttl_s: float | None = None  # drop entries not used for this long
-    queue_size: int = 256  # entries waiting for the writer
-    queue_max_bytes: int | None = None  # and their total size, if bounded
-    maintenance_interval_s: float = 30.0  # TTL sweep, last-access flush, scope folders
-    check_interval_s: float = 1.0  # an idle writer looks for its folder this often
-    retry_s: float = 1.0  # first probe after a failed write; then doubling, up to maintenance
-    # "background": the store is usable at once and the writer reconciles first.
-    reconcile: Literal["background", "sync", "off"] = "background"
-    # Bytes the tier may write per UTC day; None: no cap (see wear.py).
-    max_write_per_day: int | None = None
-
-
-@dataclass(slots=True)
-class SSDStats:
-    """Counters since this store opened; entries and bytes are what the root holds now.
-
-    Every get is exactly one of: hit, miss, promotion failure (the reservation said no).
-    Quarantined reads also count as misses. Reload figures are over recent hits.
-    """
-
-    entries: int = 0
-    bytes: int = 0
-    max_bytes: int = 0  # the capacity limit ([cache.ssd] max_size) `bytes` is held under
-    queued: int = 0
-    writes: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0  # payload bytes read back by hits (promotions)
-    spills: int = 0
-    write_throughs: int = 0
-    dedup_skips: int = 0
-    queue_drops: int = 0
-    disabled_drops: int = 0
-    oversize_drops: int = 0
-    write_errors: int = 0
-    hits: int = 0
-    misses: int = 0
-    read_errors: int = 0
-    reload_ms_mean: float = 0.0
-    reload_ms_p95: float = 0.0
-    reload_bytes_per_s: float = 0.0
-    promotion_failures: int = 0
-    quarantined: int = 0
-    evictions: int = 0
-    expired: int = 0
-    folder_losses: int = 0  # folder or index found deleted while serving, and made again
-    resumes: int = 0  # times writing came back after a failed write had turned it off
-    disabled: bool = False
-    disabled_reason: str | None = None
-    # Wear (wear.py): bytes written today (UTC), kept across restarts, and the daily cap.
-    written_today_bytes: int = 0
-    max_write_per_day: int | None = None
-    write_capped: bool = False
-    capped_drops: int = 0
-    superseded_skips: int = 0  # checkpoints a deeper one replaced before they were written
-    write_history: list = field(default_factory=list)
-
-
-class SSDEntry(NamedTuple):
-    tensors: dict[str, HostTensor]  # read-only views into one buffer per entry
-    meta: dict[str, str]
-
-
-@dataclass(slots=True)
-class _Counters:
-    values: dict[str, int] = field(default_factory=dict)
-    read_seconds: float = 0.0
-    read_bytes: int = 0
-    latencies_ms: deque = field(default_factory=lambda: deque(maxlen=_LATENCY_WINDOW))
-
-
-# Int fields of SSDStats that are not counters kept here (totals, gauges, the wear meter's).
-_NOT_COUNTERS = (
-    "entries", "bytes", "max_bytes", "queued", "folder_losses", "resumes",
-    "bytes_read", "written_today_bytes", "capped_drops",
-)  # fmt: skip
-_COUNTER_NAMES = tuple(
-    f.name for f in fields(SSDStats) if f.type == "int" and f.name not in _NOT_COUNTERS
-)
-
 
 class SSDStore:
     """One cache root: every model and tenant under it shares the capacity limit."""
@@ -154,7 +67,7 @@ class SSDStore:
         self._lock = threading.Lock()  # counters and touches
         self._io_lock = threading.Lock()  # serialises writes, eviction, reconcile, sweeps
         self._touches: dict[RawId, float] = {}  # last accesses not yet in the index
-        self._c = _Counters({name: 0 for name in _COUNTER_NAMES})
+        self._c = Counters()
         self._disabled_reason: str | None = None
         self._reconciled = threading.Event()
         self.last_reconcile: ReconcileReport | None = None
@@ -297,10 +210,7 @@ class SSDStore:
             return self._count("misses", None)
         seconds = time.perf_counter() - start
         with self._lock:
-            self._c.values["hits"] += 1
-            self._c.read_seconds += seconds
-            self._c.read_bytes += size
-            self._c.latencies_ms.append(seconds * 1000)
+            self._c.hit(seconds, size)
             self._touches[rid] = time.time()
         return entry
 
@@ -311,19 +221,13 @@ class SSDStore:
             entries, nbytes = (0, 0)
         wear = self.wear.stats()
         with self._lock:
-            lat = sorted(self._c.latencies_ms)
-            c = self._c
-            return SSDStats(
+            return self._c.snapshot(
                 entries=entries,
                 bytes=nbytes,
                 max_bytes=self.config.max_bytes,
-                **{**c.values, "queued": self._writer.pending},
+                queued=self._writer.pending,
                 folder_losses=self._watch.losses,
                 resumes=self._watch.resumes,
-                bytes_read=c.read_bytes,
-                reload_ms_mean=sum(lat) / len(lat) if lat else 0.0,
-                reload_ms_p95=lat[math.ceil(0.95 * len(lat)) - 1] if lat else 0.0,
-                reload_bytes_per_s=c.read_bytes / c.read_seconds if c.read_seconds else 0.0,
                 disabled=self._disabled_reason is not None,
                 disabled_reason=self._disabled_reason,
                 written_today_bytes=wear.written_today_bytes,
@@ -534,16 +438,7 @@ class SSDStore:
             self._disabled_reason = reason
         self._watch.probe_dir = folder or self.root
         self._watch.retry.schedule(time.monotonic())
-        hint = ""
-        if f"[Errno {errno.ENOSPC}]" in reason:
-            hint = " (disk full)"
-        elif f"[Errno {errno.EACCES}]" in reason or f"[Errno {errno.EPERM}]" in reason:
-            hint = " (permission denied)"
-        log.warning(
-            "SSD cache disabled, continuing RAM-only%s: %s; cache folder %s, writes resume "
-            "once a probe succeeds (next in %.0fs, then at most every %.0fs)",
-            hint, reason, self.root, self._watch.retry.delay, self._watch.retry.max_s,
-        )  # fmt: skip
+        health.warn_disabled(reason, self.root, self._watch.retry)
 
     def _enable(self) -> str | None:
         with self._lock:
@@ -560,39 +455,20 @@ class SSDStore:
             return 0
 
     def _read(self, rid: RawId, size: int) -> SSDEntry | None:
-        path = files.entry_path(self.root, rid)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            self._forget(rid)  # evicted meanwhile, or deleted by hand
+        got = read_file(self.root, rid, size, lambda: self._size_of(rid))
+        if isinstance(got, Unreadable):
+            if got.why == "gone":
+                self._forget(rid)  # evicted meanwhile, or deleted by hand
+            elif got.why == "corrupt":
+                log.warning("SSD cache: quarantined %s: %s", got.path, got.detail)
+                files.quarantine(self.root, rid, got.path, got.inode)
+                self._forget(rid)
+                self._count("quarantined", None)
+            elif got.why == "error":
+                log.debug("SSD cache: cannot read %s: %s", got.path, got.detail)
+                self._count("read_errors", None)
             return None
-        except OSError as e:
-            log.debug("SSD cache: cannot open %s: %s", path, e)
-            return self._count("read_errors", None)
-        inode = None
-        try:
-            st = os.fstat(fd)
-            inode = st.st_ino
-            if st.st_size != size:
-                if self._size_of(rid) == st.st_size:
-                    return None  # rewritten since we looked it up: a plain miss
-                raise FormatError(f"file is {st.st_size} bytes, the index says {size}")
-            header, tensors = read_entry(fd, size, rid[3])
-        except FormatError as e:
-            self._quarantine(rid, path, inode, str(e))
-            return None
-        except OSError as e:
-            log.debug("SSD cache: cannot read %s: %s", path, e)
-            return self._count("read_errors", None)
-        finally:
-            os.close(fd)
-        return SSDEntry(tensors, dict(header.meta))
-
-    def _quarantine(self, rid: RawId, path: Path, inode: int | None, reason: str) -> None:
-        log.warning("SSD cache: quarantined %s: %s", path, reason)
-        files.quarantine(self.root, rid, path, inode)
-        self._forget(rid)
-        self._count("quarantined", None)
+        return got
 
     def _forget(self, rid: RawId) -> None:
         try:

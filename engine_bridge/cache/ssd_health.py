@@ -15,6 +15,7 @@ the maintenance interval; the first that succeeds turns writing back on.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sqlite3
@@ -239,3 +240,18 @@ class FolderWatch:
             return identity(self.root)
         except OSError:
             return (None, None)
+
+
+def warn_disabled(reason: str, root: Path, retry: Retry) -> None:
+    """The one warning when a failed write turns the tier RAM-only, with a hint for the
+    usual causes."""
+    hint = ""
+    if f"[Errno {errno.ENOSPC}]" in reason:
+        hint = " (disk full)"
+    elif f"[Errno {errno.EACCES}]" in reason or f"[Errno {errno.EPERM}]" in reason:
+        hint = " (permission denied)"
+    log.warning(
+        "SSD cache disabled, continuing RAM-only%s: %s; cache folder %s, writes resume "
+        "once a probe succeeds (next in %.0fs, then at most every %.0fs)",
+        hint, reason, root, retry.delay, retry.max_s,
+    )  # fmt: skip
