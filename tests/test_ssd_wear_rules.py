@@ -10,6 +10,7 @@ only the model is absent (payloads are built directly).
 from __future__ import annotations
 
 from engine_bridge import kv
+from engine_bridge.cache.checkpoint_writes import DeferredWrites
 from engine_bridge.cache.hashing import Chain
 from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
@@ -206,3 +207,20 @@ def test_a_held_back_write_that_comes_due_goes_out_on_the_mlx_thread(tmp_path):
         asked[0]()  # what the MLX thread runs
         assert checkpoints_on_disk(ssd, c, (5, 22)) == {5, 22}
         assert blocks_on_disk(ssd, c) == [True] * 5 + [False] * 2
+
+
+def test_a_held_back_checkpoint_waits_from_the_end_of_its_request(tmp_path):
+    c = chain()
+    now = [0.0]
+    with open_ssd(tmp_path) as ssd:
+        t = hybrid_tiers(ssd)
+        t.writes.deferred = DeferredWrites(10.0, clock=lambda: now[0])
+        store(t, c, (5, Reason.BOUNDARY), (22, Reason.PROMPT_END))
+        now[0] = 8.0  # the model generates for 8 s, then the request ends
+        t.store_checkpoint(c, SCOPE, 26, checkpoint(26), Reason.GENERATION_END)
+        now[0] = 12.0  # 12 s after the prompt end, 4 s after the request
+        t.deferred.flush()
+        assert checkpoints_on_disk(ssd, c, (5, 22)) == {5}
+        now[0] = 18.0
+        t.deferred.flush()
+        assert checkpoints_on_disk(ssd, c, (5, 22)) == {5, 22}

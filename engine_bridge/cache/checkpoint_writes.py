@@ -3,12 +3,13 @@
 A session supersedes its own checkpoints turn after turn (supersede.py); written at once,
 each would cost a whole snapshot of the model's state on disk (66 MB on a 30-layer Gated
 DeltaNet model) only to be useless a turn later. So a write-through checkpoint waits here,
-already in host bytes (converted on the MLX thread that stored it), for `delay_s`: if a
-deeper one supersedes it meanwhile it is dropped unwritten, otherwise it is queued. Due
-writes go out on the MLX thread (the put writes the blocks on the checkpoint's path too,
-and turning them into host bytes evaluates arrays): at the next request, or when the SSD
-writer's tick asks for it there; everything left goes out at close. A kill -9 loses at most the last `delay_s` of checkpoints (a restart then
-resumes from an older one).
+already in host bytes (converted on the MLX thread that stored it), for `delay_s` after
+the request that stored it finished (its generation end): if a deeper one supersedes it
+meanwhile it is dropped unwritten, otherwise it is queued. Due writes go out on the MLX
+thread (the put writes the blocks on the checkpoint's path too, and turning them into
+host bytes evaluates arrays): at the next request, or when the SSD writer's tick asks for
+it there; everything left goes out at close. A kill -9 loses at most the checkpoints of
+the last `delay_s` (a restart then resumes from an older one).
 """
 
 from __future__ import annotations
@@ -76,6 +77,20 @@ class DeferredWrites:
                 continue
             queued += d.put()
         return queued
+
+    def entries(self) -> list[Checkpoint]:
+        """The checkpoints whose writes are held now (a snapshot)."""
+        with self._lock:
+            return [d.entry for d in self._items.values()]
+
+    def postpone(self, entries: list[Checkpoint]) -> None:
+        """Start the wait of these held writes again from now."""
+        due = self._clock() + self.delay_s
+        with self._lock:
+            for entry in entries:
+                d = self._items.get(entry.key)
+                if d is not None:
+                    d.due = max(d.due, due)
 
     def release(self, key: BlockHash) -> bool:
         """Queue the held write of `key` now (RAM is evicting it, so holding on any longer

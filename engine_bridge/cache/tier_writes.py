@@ -159,6 +159,15 @@ class TierWrites:
         if big:
             self.snapshot_scopes.add(scope)
         self.ram.insert_checkpoint(chain, position, stored, reason)
+        if reason is Reason.GENERATION_END and len(self.deferred):
+            # The request is done: its held-back checkpoints wait from now, so a long
+            # generation does not use up the time the client's next turn needs to arrive.
+            mine = [
+                c
+                for c in self.deferred.entries()
+                if c.position <= len(chain) and chain.checkpoint_key(c.position) == c.key
+            ]
+            self.deferred.postpone(mine)
         if self.policy is not WritePolicy.THROUGH or (reason is Reason.GENERATION_END and big):
             return
         entry = self.ram.entry(EntryKind.CHECKPOINT, chain.checkpoint_key(position))
