@@ -38,32 +38,43 @@ def fault_of(e: BaseException) -> Fault:
 
 
 class Health:
-    """When calls may use the network, and the one warning per outage."""
+    """When calls may use the network, and the one warning per outage.
+
+    After an outage (down, slow, a wrong password) requests stay off the network until
+    the store's writer thread, probing on a doubling backoff, finds it answering again:
+    a store that went away costs one request its timeout, not one request per retry.
+    """
 
     def __init__(self, retry_s: float, retry_max_s: float, url: str) -> None:
         self.url = url
         self._first, self._max = retry_s, retry_max_s
         self._delay = retry_s
-        self._retry_at = 0.0  # no read or write before this (down, slow, wrong password)
+        self._down = False  # no read or write until a probe succeeds
+        self._probe_at = 0.0  # the next probe, while down
         self._writes_at = 0.0  # no write before this (full)
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
     def reads_ok(self) -> bool:
-        return time.monotonic() >= self._retry_at
+        return not self._down
 
     def writes_ok(self) -> bool:
-        now = time.monotonic()
-        return now >= self._retry_at and now >= self._writes_at
+        return not self._down and time.monotonic() >= self._writes_at
+
+    def probe_in(self) -> float | None:
+        """Seconds until the next probe is due (0: now), or None while the store is up."""
+        return max(0.0, self._probe_at - time.monotonic()) if self._down else None
 
     def failed(self, kind: Fault, e: BaseException) -> None:
         with self._lock:
             now = time.monotonic()
             if kind == "full":
                 self._writes_at = now + self._max
-            elif kind in ("down", "timeout", "auth"):
-                self._retry_at = now + self._delay
-                self._delay = min(self._delay * 2, self._max)
+            elif kind in _OUTAGES:
+                if self._down:  # a probe failed: wait longer
+                    self._delay = min(self._delay * 2, self._max)
+                self._down = True
+                self._probe_at = now + self._delay
             warn = kind not in self._warned
             self._warned.add(kind)
         if warn:
@@ -73,11 +84,12 @@ class Health:
             )  # fmt: skip
 
     def succeeded(self) -> None:
-        if self._delay == self._first and not (self._warned & _OUTAGES):
+        if not self._down and not (self._warned & _OUTAGES):
             return
         with self._lock:
             back = self._warned & _OUTAGES
             self._warned -= _OUTAGES
+            self._down = False
             self._delay = self._first
         if back:
             log.warning("shared cache %s: reachable again after %s", self.url, ", ".join(back))
@@ -93,9 +105,9 @@ _WHAT = {
     "error": "a command failed",
 }
 _THEN = {
-    "down": "retrying with backoff",
-    "timeout": "retrying with backoff",
-    "auth": "retrying with backoff",
+    "down": "probing it with backoff",
+    "timeout": "probing it with backoff",
+    "auth": "probing it with backoff",
     "full": "writes pause a while (set maxmemory-policy allkeys-lru)",
     "corrupt": "the entry is deleted from the store",
     "error": "the call is counted as a miss",

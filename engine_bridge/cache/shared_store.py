@@ -301,17 +301,23 @@ class SharedStore:
         self.client.close()
 
     def _run(self) -> None:
+        self._probe()  # a store down at start is known before the first request asks it
         while True:
             with self._wake:
-                while not (self._jobs or self._deletes or self._closing):
-                    self._wake.wait()
+                while not (self._jobs or self._deletes or self._closing or self._probe_due()):
+                    self._wake.wait(self.health.probe_in())  # None: until there is work
                 if self._closing:
                     self._c.queue_drops += len(self._jobs)
                     self._jobs.clear()
                     self._wake.notify_all()
                     return
-                batch, deletes = self._take_batch()
-                self._in_flight = max(1, len(batch))
+                probe = self._probe_due()
+                if not probe:
+                    batch, deletes = self._take_batch()
+                    self._in_flight = max(1, len(batch))
+            if probe:
+                self._probe()
+                continue
             try:
                 self._send(batch, deletes)
             except Exception:
@@ -321,6 +327,18 @@ class SharedStore:
                     self._in_flight = 0
                     self._queued_bytes -= sum(j.nbytes for j in batch)
                     self._wake.notify_all()
+
+    def _probe_due(self) -> bool:
+        return self.health.probe_in() == 0
+
+    def _probe(self) -> None:
+        """One question in the namespace (so an ACL that forbids its keys fails too)."""
+        try:
+            self.client.exists(f"{self.config.namespace}:probe")
+        except Exception as e:  # redis-py raises OSError subclasses and its own
+            self._fault(fault_of(e), e)
+            return
+        self.health.succeeded()
 
     def _take_batch(self) -> tuple[list[_Job], list[str]]:
         batch: list[_Job] = []
@@ -392,9 +410,10 @@ class SharedStore:
         return [None if isinstance(r, Exception) else r for r in replies]
 
     def _fault(self, kind: Fault, e: BaseException) -> None:
-        with self._lock:
-            self._c.errors[kind] += 1
         self.health.failed(kind, e)
+        with self._wake:
+            self._c.errors[kind] += 1
+            self._wake.notify()  # the writer schedules its probe
 
     def _count(self, name: str, n: int) -> None:
         with self._lock:
