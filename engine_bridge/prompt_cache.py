@@ -118,7 +118,7 @@ class CacheSession:
         snapshots = self.owner.needs_checkpoint
         hit = self.tiers.lookup(self.chain, self.scope, needs_checkpoint=snapshots)
         promoted = hit.ssd is not None and self.tiers.promote(hit)
-        source: CacheSource = "ssd" if promoted else "ram"
+        source: CacheSource = ("shared" if hit.from_shared else "ssd") if promoted else "ram"
         # Pinned, so nothing is evicted before the copy below is taken.
         match = self.tiers.pin(hit, promoted=promoted)
         self.lookup = self._report(hit, match.length)

@@ -57,6 +57,7 @@ class Stored:
     payload: Any
     scope: Scope
     on_ssd: bool = False  # on disk, or on its way there
+    on_shared: bool = False  # in the shared store, or on its way there
     used: bool = False  # a later request restored from it (second-use writes it then)
 
     @property

@@ -5,7 +5,9 @@ A request's chain is hashed once (`hashing.Chain`) and every step here works on 
 with its `host_hit_length`); `promote` brings the SSD part into RAM, reserving the budget
 before it reads and falling back to a shallower checkpoint when an entry turns out corrupt.
 What is stored goes to SSD as `[cache.ssd] write_policy` says, and what RAM evicts spills
-there (tier_writes.py). Payloads cross to host bytes through a `Codec`, which `kv`
+there (tier_writes.py). Under the SSD, an optional shared store (Redis/Valkey, several
+machines) is asked for what RAM and the SSD lack, and written by its own policy
+(shared_tier.py). Payloads cross to host bytes through a `Codec`, which `kv`
 implements, so this package never imports mlx.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine_bridge.cache.checkpoint_writes import DeferredWrites
 from engine_bridge.cache.hashing import BlockHash, Chain
@@ -25,6 +27,11 @@ from engine_bridge.cache.matching import Match
 from engine_bridge.cache.ssd import SSDStats, SSDStore
 from engine_bridge.cache.tier_writes import META_REASON, Codec, Stored, TierWrites
 from engine_bridge.cache.write_policy import WritePolicy
+
+if TYPE_CHECKING:
+    from engine_bridge.cache.shared_store import SharedStats
+    from engine_bridge.cache.shared_tier import SharedTier
+    from engine_bridge.cache.ssd import SSDEntry
 
 __all__ = ["Codec", "Hit", "SSDPlan", "Stored", "TierStats", "TieredCache"]
 
@@ -61,6 +68,7 @@ class Hit:
     ssd: SSDPlan | None  # how the SSD extends it, when it does
     # Where the prompt left a sequence RAM holds part way (not merely ran past its end).
     diverged_at: int | None
+    from_shared: bool = False  # promotion read entries from the shared store
 
     @property
     def ram_length(self) -> int:
@@ -76,6 +84,7 @@ class Hit:
 class TierStats:
     ram: CacheStats
     ssd: SSDStats | None
+    shared: SharedStats | None = None
 
 
 class TieredCache:
@@ -91,6 +100,7 @@ class TieredCache:
         policy: WritePolicy | None = None,
         checkpoint_delay_s: float = 0.0,
         periodic_write_every: int | None = None,
+        shared: SharedTier | None = None,
     ) -> None:
         self.ram = ram
         self.ssd = ssd
@@ -98,6 +108,10 @@ class TieredCache:
         # When the SSD is written (write_policy.py); `write_through` is the older switch.
         policy = policy or (WritePolicy.THROUGH if write_through else WritePolicy.EVICT)
         self.writes = TierWrites(ram, ssd, codec, policy, checkpoint_delay_s, periodic_write_every)
+        # The Redis/Valkey tier under the SSD ([cache.shared]); it writes by its own policy.
+        self.shared = shared
+        if shared is not None:
+            shared.bind(self.writes._host, ssd)
 
     @property
     def policy(self) -> WritePolicy:
@@ -132,7 +146,7 @@ class TieredCache:
         diverged = lcp.length if lcp.diverged and 0 < lcp.length < len(chain) - 1 else None
         ssd = None
         # RAM reaching the last prompt token leaves the SSD nothing to add.
-        if self.ssd is not None and ram.length < len(chain) - 1:
+        if (self.ssd is not None or self.shared is not None) and ram.length < len(chain) - 1:
             ssd = self._plan(chain, scope, needs_checkpoint, ram.length, len(chain) - 1)
         return Hit(chain, scope, needs_checkpoint, ram, ssd, diverged)
 
@@ -169,21 +183,31 @@ class TieredCache:
         Both count: a hot prefix stays in RAM and is never spilled (so it is not on disk
         without write-through), while the tail behind it was evicted and spilled.
         """
-        assert self.ssd is not None
-        i, step = start, _PRESENCE_STEP
-        while i < len(chain.hashes):
+        i, step, gap = start, _PRESENCE_STEP, self.ssd is None
+        while not gap and i < len(chain.hashes):
             keys = chain.hashes[i : i + step]
             on_disk = self.ssd.contains_many(scope, EntryKind.BLOCK, keys)
             in_ram = self.ram.has_blocks(keys)
             for disk, ram in zip(on_disk, in_ram, strict=True):
                 if not (disk or ram):
-                    return i
+                    gap = True
+                    break
                 i += 1
             step *= 2
+        if self.shared is not None and i < len(chain.hashes):
+            rest = chain.hashes[i:]  # what RAM and the SSD lack: the shared store
+            i += self.shared.present_blocks(scope, rest, self.ram.has_blocks(rest))
         return i
 
     def _find_checkpoint(self, chain: Chain, scope: Scope, lo: int, hi: int) -> int | None:
-        """The deepest position in (lo, hi] with a checkpoint on disk for this chain."""
+        """The deepest position in (lo, hi] with a checkpoint below RAM for this chain."""
+        found = self._find_on_ssd(chain, scope, lo, hi) if self.ssd is not None else None
+        if self.shared is not None:
+            deeper = self.shared.deepest_checkpoint(chain, scope, found or lo, hi)
+            found = deeper if deeper is not None else found
+        return found
+
+    def _find_on_ssd(self, chain: Chain, scope: Scope, lo: int, hi: int) -> int | None:
         assert self.ssd is not None
         bs = chain.block_size
         for a in range(hi // bs, -1, -1):
@@ -234,6 +258,8 @@ class TieredCache:
         else:
             match = self.ram.match(hit.chain, needs_checkpoint=hit.needs_checkpoint, pin=True)
         self.writes.reused(hit.chain, match)
+        if self.shared is not None:
+            self.shared.reused(hit.chain, match)
         self.writes.resumed(hit.chain, match.length)
         return match
 
@@ -246,7 +272,7 @@ class TieredCache:
         next shallower plan rather than to nothing.
         """
         plan = hit.ssd
-        if plan is None or self.ssd is None:
+        if plan is None or (self.ssd is None and self.shared is None):
             return False
         chain, ram_length = hit.chain, hit.ram_length
         # Pin what RAM holds of the path: under a tight budget it is the least recently used
@@ -272,8 +298,9 @@ class TieredCache:
         read: dict[int, Stored] = {}
         failed_at = None
         try:
+            fetched = self._fetch_shared(scope, [chain.hashes[i] for i in plan.blocks], reserved)
             for i in plan.blocks:
-                stored = self._read(scope, EntryKind.BLOCK, chain.hashes[i], reserved)
+                stored = self._read(scope, EntryKind.BLOCK, chain.hashes[i], reserved, fetched)
                 if stored is None:
                     failed_at = i
                     break
@@ -283,6 +310,7 @@ class TieredCache:
             # twice; the run goes in as one insert.
             self.ram.unreserve(sum(reserved))
         if read:
+            hit.from_shared |= any(s.on_shared for s in read.values())
             self.ram.insert_blocks(chain, read)
         if failed_at is not None:
             # Blocks [0, failed_at) are in RAM now: a paged model uses them as they are, a
@@ -302,14 +330,49 @@ class TieredCache:
             if hit.needs_checkpoint:
                 return plan.checkpoint - 1
             return plan.checkpoint // bs * bs > hit.ram_length  # the blocks alone serve
+        hit.from_shared |= stored[0].on_shared
         self.ram.insert_checkpoint(chain, plan.checkpoint, stored[0], stored[1])
         return True
 
+    def _fetch_shared(
+        self, scope: Scope, keys: list[BlockHash], reserved: list[int]
+    ) -> dict[BlockHash, SSDEntry]:
+        """The blocks of a run that the SSD lacks, from the shared store in one round trip."""
+        if self.shared is None or not keys:
+            return {}
+        return self.shared.fetch(scope, EntryKind.BLOCK, keys, *self._reservation(reserved))
+
     def _read(
-        self, scope: Scope, kind: EntryKind, key: BlockHash, reserved: list[int]
+        self,
+        scope: Scope,
+        kind: EntryKind,
+        key: BlockHash,
+        reserved: list[int],
+        fetched: Mapping[BlockHash, SSDEntry] | None = None,
     ) -> tuple[Stored, Reason] | None:
-        """Read one entry under a RAM reservation (kept in `reserved`); None is a miss."""
-        assert self.ssd is not None
+        """Read one entry under a RAM reservation (kept in `reserved`); None is a miss.
+        `fetched`: what the shared store already gave for this run (not asked again)."""
+        reserve, release = self._reservation(reserved)
+        entry, shared = (fetched or {}).get(key), True
+        if entry is None and self.ssd is not None:
+            entry, shared = self.ssd.get(scope, kind, key, reserve=reserve, release=release), False
+        if entry is None and fetched is None and self.shared is not None:
+            entry = self.shared.fetch(scope, kind, [key], reserve, release).get(key)
+            shared = True
+        if entry is None:
+            return None
+        try:
+            payload = self.codec.from_host(entry.tensors, entry.meta)
+            reason = Reason(entry.meta[META_REASON]) if kind is EntryKind.CHECKPOINT else None
+        except (ValueError, KeyError) as e:
+            log.warning("cache entry %s is unreadable as a payload: %s", key.hex()[:16], e)
+            return None
+        return Stored(payload, scope, on_ssd=not shared, on_shared=shared), reason
+
+    def _reservation(
+        self, reserved: list[int]
+    ) -> tuple[Callable[[int], bool], Callable[[int], None]]:
+        """reserve/release callbacks that keep what they hold in `reserved`."""
 
         def reserve(n: int) -> bool:
             ok = self.ram.reserve(n)
@@ -321,16 +384,7 @@ class TieredCache:
             self.ram.unreserve(n)
             reserved.remove(n)
 
-        entry = self.ssd.get(scope, kind, key, reserve=reserve, release=release)
-        if entry is None:
-            return None
-        try:
-            payload = self.codec.from_host(entry.tensors, entry.meta)
-            reason = Reason(entry.meta[META_REASON]) if kind is EntryKind.CHECKPOINT else None
-        except (ValueError, KeyError) as e:
-            log.warning("ssd entry %s is unreadable as a payload: %s", key.hex()[:16], e)
-            return None
-        return Stored(payload, scope, on_ssd=True), reason
+        return reserve, release
 
     # ---- storing ------------------------------------------------------------------------
 
@@ -338,6 +392,10 @@ class TieredCache:
         """Insert full blocks of `chain` by index into RAM, and write them when their policy
         says (tier_writes.py)."""
         self.writes.store_blocks(chain, scope, payloads)
+        if self.shared is not None:
+            blocks = self.ram.blocks([chain.hashes[i] for i in payloads])
+            stored = {i: b.payload for i, b in zip(payloads, blocks, strict=True) if b}
+            self.shared.stored_blocks(chain, stored)
 
     def store_checkpoint(
         self, chain: Chain, scope: Scope, position: int, payload: Any, reason: Reason
@@ -345,12 +403,23 @@ class TieredCache:
         """Insert the state after `position` tokens of `chain`, and write it when its policy
         says (tier_writes.py)."""
         self.writes.store_checkpoint(chain, scope, position, payload, reason)
+        if self.shared is not None:
+            kept = self.ram.entry(EntryKind.CHECKPOINT, chain.checkpoint_key(position))
+            mine = kept is not None and kept.payload.payload is payload
+            self.shared.stored_checkpoint(chain, kept if mine else None, reason)
 
     # ---- upkeep -------------------------------------------------------------------------
 
     def stats(self) -> TierStats:
-        return TierStats(self.ram.stats(), self.ssd.stats() if self.ssd is not None else None)
+        return TierStats(
+            self.ram.stats(),
+            self.ssd.stats() if self.ssd is not None else None,
+            self.shared.stats() if self.shared is not None else None,
+        )
 
     def close(self, timeout_s: float) -> None:
-        """Write what is held back and drain the SSD's queue, for at most `timeout_s`."""
+        """Write what is held back and drain the SSD's queue, for at most `timeout_s`;
+        queued shared-store writes get a third of that first."""
+        if self.shared is not None:
+            self.shared.close(timeout_s / 3)
         self.writes.close(timeout_s)
