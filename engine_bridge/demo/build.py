@@ -33,7 +33,12 @@ def recipe_digest(name: str) -> str:
     h = hashlib.sha256(f"{RECIPE_VERSION}/{name}".encode())
     h.update(tokenizer.corpus_bytes())
     h.update(tokenizer.chat_template().encode("utf-8"))
-    h.update(json.dumps(specs.model_config(name, 0, 0), sort_keys=True).encode())
+    if name in specs.VISION_DEMO_IDS:
+        from . import vision
+
+        h.update(vision.recipe_inputs())
+    else:
+        h.update(json.dumps(specs.model_config(name, 0, 0), sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -105,6 +110,11 @@ def _build_and_publish(name: str, final: Path, digest: str) -> None:
 
 def write_model_files(name: str, out: Path) -> None:
     """Write every file of demo model `name` into the existing directory `out`."""
+    if name in specs.VISION_DEMO_IDS:
+        from . import vision
+
+        vision.write_model_files(out)
+        return
     # mlx is imported here, not at module top, so the fast path stays cheap.
     from . import weights
 

@@ -65,11 +65,14 @@ _SPECS: dict[str, dict[str, Any]] = {
 }
 
 DEMO_MODEL_IDS: tuple[str, ...] = tuple(_SPECS)
+# Built by demo/vision.py through mlx-vlm, so only with the vision extra; not among the
+# models a server loads when none are named.
+VISION_DEMO_IDS: tuple[str, ...] = ("demo-vision",)
 
 
 def is_demo_model(name: str) -> bool:
     """True when `name` is one of the built-in demo model ids."""
-    return name in _SPECS
+    return name in _SPECS or name in VISION_DEMO_IDS
 
 
 def model_config(name: str, vocab_size: int, eos_token_id: int) -> dict[str, Any]:
