@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .kv import CacheKind
+from .vision_prompt import vision_status
 
 Format = Literal["mlx", "gguf"]
 
@@ -51,6 +52,8 @@ class FoundModel:
     architecture: str
     cache_kind: CacheKind
     size_bytes: int
+    # Whether it can see images here (vision_prompt.vision_status).
+    vision: str = "no"
 
 
 def cache_kind_from_config(config: dict[str, Any]) -> CacheKind:
@@ -112,7 +115,8 @@ def _inspect(root: Path, folder: Path) -> FoundModel | None:
         text = config.get("text_config") or {}
         arch = str(config.get("model_type") or text.get("model_type") or "unknown")
         size = sum(f.stat().st_size for f in weights)
-        return FoundModel(model_id, folder, "mlx", arch, cache_kind_from_config(config), size)
+        kind = cache_kind_from_config(config)
+        return FoundModel(model_id, folder, "mlx", arch, kind, size, vision_status(config))
     if ggufs:
         size = sum(f.stat().st_size for f in ggufs)
         return FoundModel(model_id, folder, "gguf", "gguf", CacheKind.UNKNOWN, size)

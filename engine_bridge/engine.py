@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 
-from . import cache_probe, discovery, heap, kv, models
+from . import cache_probe, discovery, heap, kv, models, vision_prompt
 from .cache.manager import CacheManager
 from .cache.ssd import SSDConfig, SSDStore
 from .cache.tiers import TieredCache
@@ -313,7 +313,12 @@ class Engine:
     async def _render_chat(
         self, loaded: models.LoadedModel, req: GenerationRequest
     ) -> RenderedPrompt:
-        return await self._tokenize(
+        images = vision_prompt.images_of(req.messages)
+        limits = self.settings.vision_limits
+        if images:
+            vision_prompt.check_model(loaded, images)
+            vision_prompt.check_count(images, limits)
+        prompt = await self._tokenize(
             render_chat,
             loaded.tokenizer,
             req.messages or [],
@@ -322,6 +327,12 @@ class Engine:
             self.settings.normalization,
             loaded.prefixes,
         )
+        if images:
+            assert loaded.vision is not None
+            prompt = await self._tokenize(
+                vision_prompt.attach, prompt, images, loaded.vision.spec, limits
+            )
+        return prompt
 
     def stats(self) -> dict:
         """What /v1/cache/stats shows: requests, then every tier's counters as they are."""

@@ -9,6 +9,7 @@ from .cache.shared_config import SharedConfig
 from .cache.write_policy import WritePolicy
 from .prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from .prompt_cache import CachePolicy
+from .vision_prompt import VisionLimits
 
 
 @dataclass(slots=True)
@@ -57,3 +58,5 @@ class EngineSettings:
     normalization: list[NormalizationRule] = field(
         default_factory=lambda: [CLAUDE_CODE_BILLING_HEADER]
     )
+    # Images per request and per image ([vision]); over a limit answers 4xx.
+    vision_limits: VisionLimits = field(default_factory=VisionLimits)

@@ -8,6 +8,7 @@ be served state computed by another.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import struct
 import time
@@ -19,8 +20,9 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_load
+from mlx_lm.utils import load_tokenizer
 
-from . import demo, kv
+from . import demo, kv, vision
 from .prefix_memo import PrefixMemo
 from .types import EngineError
 
@@ -37,6 +39,8 @@ _TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
     "tokenizer.model",
+    # How images become pixels, which their cache keys are digests of.
+    "preprocessor_config.json",
 )
 # How much of each weight file's data is sampled into the fingerprint: hashing all of a
 # 20 GB model at every start would cost minutes; header + ends + size catches re-quantized
@@ -66,6 +70,10 @@ class LoadedModel:
     load_s: float
     # Rendered message prefixes, so a conversation's next turn renders only its new ones.
     prefixes: PrefixMemo = field(default_factory=PrefixMemo, repr=False)
+    # Set when the model loaded with its vision tower (mlx-vlm): it is also `model`.
+    vision: vision.VisionModel | None = None
+    # The config names a vision tower, whether or not it loaded with it.
+    has_vision_tower: bool = False
 
 
 def resolve(spec: str, cache_dir: Path, lmstudio_dirs: list[Path]) -> ModelRef:
@@ -101,7 +109,13 @@ def _id_for_path(path: Path, lmstudio_dirs: list[Path]) -> str:
 
 def load(ref: ModelRef) -> LoadedModel:
     start = time.perf_counter()
-    model, tokenizer, config = mlx_load(str(ref.path), return_config=True)
+    config = json.loads((ref.path / "config.json").read_text(encoding="utf-8"))
+    seeing = None
+    if vision.can_load(config):
+        seeing, config = vision.load(ref.path)
+        model, tokenizer = seeing, load_tokenizer(ref.path)
+    else:
+        model, tokenizer, config = mlx_load(str(ref.path), return_config=True)
     load_s = time.perf_counter() - start
     loaded = LoadedModel(
         id=ref.id,
@@ -113,6 +127,8 @@ def load(ref: ModelRef) -> LoadedModel:
         context_length=context_length(config),
         cache_kind=cache_kind(model),
         load_s=load_s,
+        vision=seeing,
+        has_vision_tower=vision.has_vision_tower(config),
     )
     log.info(
         "loaded model %s from %s in %.2fs (kind=%s, context=%d, fingerprint=%s)",
@@ -127,10 +143,13 @@ def load(ref: ModelRef) -> LoadedModel:
 
 
 def fingerprint(path: Path) -> str:
-    """A stable identity of weights, config, tokenizer and the mlx-lm version."""
+    """A stable identity of weights, config, tokenizer and the mlx-lm version (and
+    mlx-vlm's, when the model runs through it: its text model computes differently)."""
     h = hashlib.sha256()
     h.update(b"mlx-prompt-cache-fingerprint-v1\0")
     h.update(f"mlx-lm={mlx_lm.__version__};mlx={mx.__version__}\0".encode())
+    if vision.can_load(json.loads((path / "config.json").read_text(encoding="utf-8"))):
+        h.update(f"mlx-vlm={vision.mlx_vlm_version()}\0".encode())
     h.update(_file_digest(path / "config.json"))
     for name in _TOKENIZER_FILES:
         if (path / name).is_file():

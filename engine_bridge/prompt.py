@@ -12,10 +12,13 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .prefix_memo import RAISED, PrefixDigests, PrefixMemo, prefix_keys, text_digest
 from .types import EngineError, Message
+
+if TYPE_CHECKING:
+    from .vision_prompt import VisionPrompt
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,9 @@ class RenderedPrompt:
     message_starts: list[int] = field(default_factory=list)
     # Which message each entry of message_starts belongs to.
     message_index: list[int] = field(default_factory=list)
+    # Real ids, images and positions when the prompt has images; `tokens` then holds the
+    # ids the cache keys on (vision_prompt.py).
+    vision: VisionPrompt | None = None
 
     def message_at(self, token_index: int) -> int | None:
         """The index of the message that contains `token_index`, if known."""

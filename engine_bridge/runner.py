@@ -279,7 +279,10 @@ class Runner:
             end = seq.stops.popleft()
             t0 = time.perf_counter()
             try:
-                model(mx.array(seq.tokens[seq.position : end])[None], cache=seq.cache)
+                if seq.job.prompt.vision is None:
+                    model(mx.array(seq.tokens[seq.position : end])[None], cache=seq.cache)
+                else:  # the model sees real ids and image features, the cache keyed ids
+                    model.prefill(seq.job.prompt.vision, seq.position, end, seq.cache)
                 mx.eval([c.state for c in seq.cache])
                 dt = time.perf_counter() - t0
                 self.scheduler.stats.prefill_s += dt
@@ -342,7 +345,9 @@ class Runner:
         t0 = time.perf_counter()
         try:
             inputs = mx.array([[s.next_input] for s in self.running])
-            logits = self.loaded.model(inputs, cache=self.batch.cache)[:, -1, :]
+            # A vision model's rows shift their positions by their prompt's image layout.
+            extra = {} if self.loaded.vision is None else {"rope_deltas": self._rope_deltas()}
+            logits = self.loaded.model(inputs, cache=self.batch.cache, **extra)[:, -1, :]
             toks = sample_rows(
                 logits, [s.sampler for s in self.running], [s.history for s in self.running]
             )
@@ -352,6 +357,9 @@ class Runner:
             return
         self._inflight = toks
         self.scheduler.stats.decode_s += time.perf_counter() - t0
+
+    def _rope_deltas(self) -> list[int]:
+        return [s.job.prompt.vision.rope_delta if s.job.prompt.vision else 0 for s in self.running]
 
     def _collect(self) -> None:
         """Wait for the step in flight, hand out its tokens, retire finished rows."""

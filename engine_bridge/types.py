@@ -76,6 +76,17 @@ class ToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageInput:
+    """An image as the client sent it (the encoded file); the engine decodes it."""
+
+    data: bytes
+    media_type: str = ""
+    # Where it sat in the body (messages[2].content[1].source.data), for 4xx errors; not
+    # part of its identity, so the same image one turn later compares equal.
+    field: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
     """One chat message; `to_template` is the only place it becomes the chat-template shape.
 
@@ -88,9 +99,16 @@ class Message:
     reasoning: str | None = None
     tool_calls: tuple[ToolCall, ...] | None = None
     tool_call_id: str | None = None
+    # Text and images in order, when the content has images; `content` is then its text.
+    parts: tuple[str | ImageInput, ...] | None = None
 
     def to_template(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.parts is not None:
+            out["content"] = [
+                {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
+                for p in self.parts
+            ]
         if self.reasoning is not None:
             out["reasoning_content"] = self.reasoning
         if self.tool_calls is not None:

@@ -184,6 +184,7 @@ def list_models(args: argparse.Namespace) -> int:
                 "format": m.format,
                 "architecture": m.architecture,
                 "cache": m.cache_kind,
+                "vision": m.vision,
                 "served": where,
                 "size_gb": round(m.size_bytes / 1e9, 2),
                 "path": str(m.path),
@@ -196,7 +197,7 @@ def list_models(args: argparse.Namespace) -> int:
     if not rows:
         print("no models found under " + ", ".join(str(r.expanduser()) for r in roots))
         return 0
-    cols = ("id", "format", "architecture", "cache", "served", "size_gb")
+    cols = ("id", "format", "architecture", "cache", "vision", "served", "size_gb")
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
     print("  ".join(c.upper().ljust(widths[c]) for c in cols))
     for r in rows:

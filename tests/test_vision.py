@@ -1,0 +1,165 @@
+"""Images in the conversation (issue 13), on demo-vision: the model path and the cache keys.
+
+The model checks compare this proxy's chunked, cache-resumable forward pass with mlx-vlm's
+own one-shot forward; the key checks prove a different image changes the keyed tokens
+exactly from its first token, and the same picture re-encoded does not.
+"""
+
+from __future__ import annotations
+
+import io
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm")
+
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from engine_bridge import vision  # noqa: E402
+from engine_bridge import vision_prompt as vp  # noqa: E402
+from engine_bridge.types import EngineError, ImageInput  # noqa: E402
+
+
+def picture(seed: int, width: int = 120, height: int = 90) -> Image.Image:
+    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8")
+    return Image.fromarray(pixels)
+
+
+def encoded(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    out = io.BytesIO()
+    img.save(out, fmt, **kw)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def demo_vision(tmp_path_factory):
+    from engine_bridge.demo import ensure_demo_model
+
+    path = ensure_demo_model("demo-vision", tmp_path_factory.mktemp("vision-root"))
+    model, config = vision.load(path)
+    import mlx_lm.utils
+
+    return model, config, mlx_lm.utils.load_tokenizer(path)
+
+
+def prepared(model, seed: int, **size) -> vp.PreparedImage:
+    image = ImageInput(encoded(picture(seed, **size)), "image/png", f"img{seed}")
+    return vp.preprocess(image, model.spec, vp.VisionLimits())
+
+
+def two_image_prompt(demo_vision, seeds=(0, 1)):
+    model, _, tok = demo_vision
+    chat = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "look at this"},
+                {"type": "image"},
+                {"type": "text", "text": "and compare it with this one"},
+                {"type": "image"},
+            ],
+        }
+    ]
+    ids = tok.encode(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    images = [prepared(model, s, width=120 + 30 * i) for i, s in enumerate(seeds)]
+    return ids, vp.expand(ids, [0], images, model.spec)
+
+
+def test_rope_positions_equal_mlx_vlm_get_rope_index(demo_vision):
+    model = demo_vision[0]
+    _, (_, _, prompt) = two_image_prompt(demo_vision)
+    grids = mx.array([list(i.grid_thw) for i in prompt.images])
+    pos, delta = model.lm.get_rope_index(mx.array([prompt.model_tokens]), grids)
+    assert np.array_equal(np.array(pos)[:, 0, :], prompt.positions)
+    assert int(np.array(delta).reshape(-1)[0]) == prompt.rope_delta
+    assert prompt.rope_delta < 0  # images take fewer positions than tokens
+
+
+def test_chunked_prefill_and_decode_equal_mlx_vlm_forward(demo_vision):
+    model = demo_vision[0]
+    _, (keyed, _, prompt) = two_image_prompt(demo_vision)
+    n = len(keyed)
+    pixels = mx.array(np.concatenate([i.pixel_values for i in prompt.images]))
+    grids = mx.array([list(i.grid_thw) for i in prompt.images])
+    ref = model.vlm(
+        mx.array([prompt.model_tokens]),
+        pixel_values=pixels,
+        image_grid_thw=grids,
+        cache=make_prompt_cache(model),
+    ).logits
+    first, second = prompt.images
+    # Chunk ends inside the first image, between the images, inside the second.
+    cuts = [0, first.start + 3, second.start - 2, second.start + 5, n]
+    cache = make_prompt_cache(model)
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        out = model.prefill(prompt, a, b, cache)
+    assert float(mx.abs(out[0, -1] - ref[0, -1]).max()) == 0.0
+    token = int(mx.argmax(ref[0, -1]))
+    step = model(mx.array([[token]]), cache=cache, rope_deltas=[prompt.rope_delta])
+    model.lm._rope_deltas = None
+    ref_cache = make_prompt_cache(model)
+    model.vlm(
+        mx.array([prompt.model_tokens]),
+        pixel_values=pixels,
+        image_grid_thw=grids,
+        cache=ref_cache,
+    )
+    ref_step = model.lm(mx.array([[token]]), cache=ref_cache).logits
+    assert float(mx.abs(step - ref_step).max()) == 0.0
+    # Both images were encoded once each: the chunks reused the feature cache.
+    assert model.encoder_runs == 2
+
+
+def test_a_different_image_changes_keyed_tokens_from_its_first_token(demo_vision):
+    ids, (keyed_a, starts, prompt_a) = two_image_prompt(demo_vision, (0, 1))
+    _, (keyed_b, _, prompt_b) = two_image_prompt(demo_vision, (0, 2))
+    first, second = prompt_a.images
+    assert keyed_a[: second.start] == keyed_b[: second.start]
+    changed = zip(
+        keyed_a[second.start : second.end], keyed_b[second.start : second.end], strict=True
+    )
+    assert all(x != y for x, y in changed)
+    assert keyed_a[second.end :] == keyed_b[second.end :]
+    assert prompt_a.model_tokens == prompt_b.model_tokens  # the model sees the same pads
+    assert all(t >= vp.KEY_BIT for t in keyed_a[first.start : first.end])
+    assert max(ids) < vp.KEY_BIT
+    assert len(keyed_a) == len(ids) - 2 + first.n_tokens + second.n_tokens
+    assert starts == [0]
+
+
+def test_the_same_picture_reencoded_has_the_same_digest(demo_vision):
+    model = demo_vision[0]
+    img = picture(7)
+    spec, limits = model.spec, vp.VisionLimits()
+    png_fast = vp.preprocess(ImageInput(encoded(img, compress_level=1), "", "a"), spec, limits)
+    png_small = vp.preprocess(ImageInput(encoded(img, compress_level=9), "", "b"), spec, limits)
+    bmp = vp.preprocess(ImageInput(encoded(img, "BMP"), "", "c"), spec, limits)
+    assert png_fast.digest == png_small.digest == bmp.digest
+    other = vp.preprocess(ImageInput(encoded(picture(8)), "", "d"), spec, limits)
+    assert other.digest != png_fast.digest
+
+
+def test_limits_and_undecodable_images_name_the_part(demo_vision):
+    spec = demo_vision[0].spec
+    where = "messages[2].content[1].source.data"
+    data = encoded(picture(3, 200, 100))
+    with pytest.raises(EngineError) as e:
+        vp.preprocess(ImageInput(data, "", where), spec, vp.VisionLimits(max_image_bytes=100))
+    assert (e.value.status, e.value.field) == (413, where)
+    assert f"{len(data)} bytes, more than the 100 allowed" in e.value.message
+    with pytest.raises(EngineError) as e:
+        vp.preprocess(ImageInput(data, "", where), spec, vp.VisionLimits(max_image_pixels=19_999))
+    assert (e.value.status, e.value.field) == (413, where)
+    assert "200x100 pixels, more than the 19999 allowed" in e.value.message
+    with pytest.raises(EngineError) as e:
+        vp.preprocess(ImageInput(b"\x89PNG not really", "", where), spec, vp.VisionLimits())
+    assert (e.value.status, e.value.field) == (400, where)
+    assert e.value.message.startswith(f"{where}: not a decodable image")
+    images = [ImageInput(data, "", f"messages[{i}].content[0].source.data") for i in range(3)]
+    with pytest.raises(EngineError) as e:
+        vp.check_count(images, vp.VisionLimits(max_images=2))
+    assert e.value.field == "messages[2].content[0].source.data"
+    assert "3 images, more than the 2 allowed" in e.value.message
