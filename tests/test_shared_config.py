@@ -40,6 +40,10 @@ def test_the_section_becomes_the_engines_settings_with_the_password_from_env(tmp
     )
     assert (s.tls_ca, s.tls_verify, s.queue_max_bytes) == ("/etc/ca.pem", True, 64_000_000)
     assert "from-env" not in repr(s)
+    with_url = shared_settings(
+        load(tmp_path, '[cache.shared]\nurl = "redis://:pw-in-url@h:6379/0"\n').cache.shared
+    )
+    assert "pw-in-url" not in repr(with_url) and "***" in repr(with_url)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ extra) being imported until a url is set."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from urllib.parse import urlsplit, urlunsplit
 
@@ -24,7 +24,7 @@ class SharedWritePolicy(StrEnum):
     FIRST_N = "first-n"  # the first N blocks of each chain: shared system prompts and tools
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class SharedConfig:
     url: str  # redis://[user:password@]host[:port][/db] or rediss://… (TLS)
     namespace: str = "mlx-prompt-cache"
@@ -33,7 +33,7 @@ class SharedConfig:
     first_n: int = 32  # blocks of a chain written under first-n
     ttl_s: float | None = 7 * 86400.0  # per entry, renewed by every read; None: no expiry
     username: str | None = None  # override the url's
-    password: str | None = field(default=None, repr=False)
+    password: str | None = None
     tls_ca: str | None = None  # a CA file to trust (rediss://)
     tls_cert: str | None = None  # a client certificate and key (mutual TLS)
     tls_key: str | None = None
@@ -41,6 +41,12 @@ class SharedConfig:
     queue_max_bytes: int = 256 << 20  # entries waiting for the writer, in bytes
     retry_s: float = 1.0  # first retry after the store failed; then doubling
     retry_max_s: float = 30.0
+
+    def __repr__(self) -> str:
+        # Settings get logged; the password (its own field, or in the url) must not be.
+        shown = {f: getattr(self, f) for f in self.__slots__ if f != "password"}
+        shown["url"] = redacted(self.url)
+        return f"SharedConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def __post_init__(self) -> None:
         scheme = urlsplit(self.url).scheme
