@@ -88,6 +88,13 @@ class Engine:
                     max_write_per_day=settings.ssd_max_write_per_day,
                 )
             )
+        shared = None
+        if settings.cache_enabled and settings.shared is not None:
+            # Imports redis (the shared extra): only when [cache.shared] url is set.
+            from .cache.shared_store import SharedStore
+            from .cache.shared_tier import SharedTier
+
+            shared = SharedTier(SharedStore(settings.shared))
         # One set of tiers for every model: the budget is the machine's, not a model's.
         self.tiers = TieredCache(
             CacheManager(settings.ram_budget_bytes, block_size=settings.cache_policy.block_size),
@@ -97,6 +104,7 @@ class Engine:
             policy=settings.ssd_write_policy,
             checkpoint_delay_s=settings.ssd_checkpoint_delay_s,
             periodic_write_every=settings.cache_policy.checkpoint_interval * SPARSE_PERIODIC_EVERY,
+            shared=shared,
         )
         # Held-back checkpoint writes that come due between requests go out on the MLX thread.
         self.tiers.call_on_mlx = self.scheduler.call
