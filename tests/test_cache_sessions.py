@@ -84,7 +84,10 @@ def sid_url(server, sid: str, tail: str = "") -> str:
 @pytest.fixture(scope="module")
 def main_server(demo_root, tmp_path_factory):
     cache = fresh_cache_dir(demo_root, tmp_path_factory.mktemp("sessions-main"))
-    s = start_server(cache, "--upstream", "http://127.0.0.1:9")
+    # Checkpoints (and a hybrid model's blocks, written with them) go to SSD at once, so
+    # the tests can count each session's bytes there right after its turn.
+    env = {"MLX_PROMPT_CACHE_CACHE_SSD_CHECKPOINT_WRITE_DELAY": "0"}
+    s = start_server(cache, "--upstream", "http://127.0.0.1:9", env=env)
     yield s
     s.stop()
 
