@@ -142,7 +142,11 @@ class SharedStore:
             return [0] * len(keys)
         with self._lock:
             # A value found corrupt is a miss until its delete has gone out.
-            sizes = [r if isinstance(r, int) and n not in self._deletes else 0 for n, r in zip(names, replies, strict=True)]  # fmt: skip
+            bad = set(self._deletes)
+            sizes = [
+                r if isinstance(r, int) and n not in bad else 0
+                for n, r in zip(names, replies, strict=True)
+            ]
             self._c.lookups += 1
             self._c.hits += sum(1 for s in sizes if s)
             for name, size in zip(names, sizes, strict=True):
@@ -384,7 +388,9 @@ class SharedStore:
 
     def _encode(self, job: _Job) -> bytes:
         key = bytes.fromhex(job.key.rpartition(":")[2])
-        head, chunks = encode(key, job.tensors, job.meta, tokens=job.tokens, tags="", created=time.time())  # fmt: skip
+        head, chunks = encode(
+            key, job.tensors, job.meta, tokens=job.tokens, tags="", created=time.time()
+        )
         return b"".join([head, *chunks])
 
     # ---- faults and stats -----------------------------------------------------------

@@ -41,7 +41,7 @@ _BLOCK_STEP = 64
 # Checkpoint positions asked per round trip, then four times as many: a checkpoint near
 # the deepest block (the usual case) costs one small pipeline.
 _CHECKPOINT_STEP = 64
-# Host bytes of an entry with its tier metadata (TieredCache._host).
+# Host bytes of an entry with its tier metadata (tier_writes.TierWrites._host).
 Host = Callable[[Any, int, Reason | None], tuple[dict[str, HostTensor], dict[str, str]]]
 
 
@@ -83,7 +83,8 @@ class SharedTier:
         while top > lo:
             positions = list(range(top, max(lo, top - step), -1))
             keys = [chain.checkpoint_key(p) for p in positions]
-            for p, size in zip(positions, self.store.sizes(scope, EntryKind.CHECKPOINT, keys), strict=True):  # fmt: skip
+            sizes = self.store.sizes(scope, EntryKind.CHECKPOINT, keys)
+            for p, size in zip(positions, sizes, strict=True):
                 if size:
                     return p
             if not self.store.health.reads_ok():
@@ -103,8 +104,10 @@ class SharedTier:
     ) -> dict[bytes, SSDEntry]:
         """Read from the store, in one round trip, those of `keys` the SSD lacks (SSD reads
         are local and need no network); the run stops where the reservation says no."""
-        on_ssd = self._ssd.contains_many(scope, kind, keys) if self._ssd is not None else []
-        wanted = [k for k, local in zip(keys, on_ssd or [False] * len(keys), strict=True) if not local]  # fmt: skip
+        on_ssd = [False] * len(keys)
+        if self._ssd is not None:
+            on_ssd = self._ssd.contains_many(scope, kind, keys)
+        wanted = [k for k, local in zip(keys, on_ssd, strict=True) if not local]
         got = self.store.get_many(scope, kind, wanted, reserve=reserve, release=release)
         return {k: e for k, e in zip(wanted, got, strict=True) if e is not None}
 
@@ -126,7 +129,7 @@ class SharedTier:
             return
         if reason is Reason.GENERATION_END and has_snapshots(entry.payload.payload):
             return  # the model's own output: a next turn rarely sends it back verbatim
-        if self.policy is SharedWritePolicy.FIRST_N and entry.position > self.first_n * chain.block_size:  # fmt: skip
+        if not self._within_first_n(chain, entry.position):
             return
         self._share_checkpoint(entry)
 
@@ -140,11 +143,13 @@ class SharedTier:
             if not self._share(block.payload, EntryKind.BLOCK, block.key, len(block.tokens)):
                 return
         ckpt = match.checkpoint
-        if ckpt is None:
-            return
-        if self.policy is SharedWritePolicy.FIRST_N and ckpt.position > self.first_n * chain.block_size:  # fmt: skip
-            return
-        self._share_checkpoint(ckpt)
+        if ckpt is not None and self._within_first_n(chain, ckpt.position):
+            self._share_checkpoint(ckpt)
+
+    def _within_first_n(self, chain: Chain, position: int) -> bool:
+        """Whether first-n lets a checkpoint at `position` go (other policies always do)."""
+        limit = self.first_n * chain.block_size
+        return self.policy is not SharedWritePolicy.FIRST_N or position <= limit
 
     def _share_checkpoint(self, entry: Entry) -> bool:
         return self._share(
