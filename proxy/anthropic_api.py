@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
-from engine_bridge.types import GenerationRequest, Message, Sampling, ToolCall
+from engine_bridge.types import GenerationRequest, ImageInput, Message, Sampling, ToolCall
 
 from . import fields as f
+from . import images
 from .errors import ApiError
 from .generation import Generation, request_options, session_id, start
 from .output import Part, merge
@@ -43,6 +45,29 @@ def _text_blocks(content: Any, where: str) -> str:
     if not isinstance(content, list):
         raise ApiError(400, f"{where}: expected a string or an array of blocks", param=where)
     return "".join(_block_text(b, f"{where}[{i}]") for i, b in enumerate(content))
+
+
+def _parts(
+    content: Any, where: str, skip: Callable[[Any], bool] | None = None
+) -> tuple[str, tuple[str | ImageInput, ...] | None]:
+    """Text and images of a user turn's or tool result's blocks; parts only with an image."""
+    if content is None or isinstance(content, str):
+        return content or "", None
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}: expected a string or an array of blocks", param=where)
+    parts: list[str | ImageInput] = []
+    for i, b in enumerate(content):
+        w = f"{where}[{i}]"
+        if skip is not None and skip(b):
+            continue
+        if isinstance(b, dict) and b.get("type") == "image":
+            parts.append(images.anthropic_image(b, w))
+        else:
+            parts.append(_block_text(b, w))
+    text = "".join(p for p in parts if isinstance(p, str))
+    if all(isinstance(p, str) for p in parts):
+        return text, None
+    return text, tuple(parts)
 
 
 def parse_system(body: dict) -> str | None:
@@ -91,7 +116,9 @@ def _inline_system(out: list[Message], text: str) -> None:
     where it stays at the same place in every later request and so keeps the prefix cached.
     """
     if out and out[-1].role == "user":
-        out[-1] = replace(out[-1], content=out[-1].content + "\n\n" + text)
+        last = out[-1]
+        parts = None if last.parts is None else (*last.parts, "\n\n" + text)
+        out[-1] = replace(last, content=last.content + "\n\n" + text, parts=parts)
     else:
         out.append(Message("user", text))
 
@@ -132,22 +159,30 @@ def _assistant(blocks: list, where: str) -> Message:
 
 
 def _user(blocks: list, where: str) -> list[Message]:
-    results, text = [], []
+    results, rest = [], []
     for j, b in enumerate(blocks):
         w = f"{where}.content[{j}]"
         if not isinstance(b, dict):
             raise ApiError(400, f"{w}: expected a content block object", param="messages")
         if b.get("type") == "tool_result":
-            body = _text_blocks(b.get("content"), f"{w}.content")
+            body, parts = _parts(b.get("content"), f"{w}.content")
             if b.get("is_error"):
                 body = "Error: " + body
-            results.append(Message("tool", body, tool_call_id=b.get("tool_use_id", "")))
+                parts = None if parts is None else ("Error: ", *parts)
+            call_id = b.get("tool_use_id", "")
+            results.append(Message("tool", body, tool_call_id=call_id, parts=parts))
         else:
-            text.append(_block_text(b, w))
+            rest.append(b)
     out = results
-    if text or not results:
-        out.append(Message("user", "".join(text)))
+    if rest or not results:
+        # The other blocks keep their indices in the body, for errors that name them.
+        text, parts = _parts(blocks, f"{where}.content", skip=_is_tool_result)
+        out.append(Message("user", text, parts=parts))
     return out
+
+
+def _is_tool_result(block: Any) -> bool:
+    return isinstance(block, dict) and block.get("type") == "tool_result"
 
 
 def parse_tools(body: dict) -> list[dict[str, Any]] | None:

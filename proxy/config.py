@@ -182,6 +182,16 @@ class NormalizationConfig:
 
 
 @dataclass(slots=True)
+class VisionConfig:
+    # Images in requests (models with a vision tower, and the vision extra installed).
+    # Larger images or more of them answer 413/400 naming the image.
+    max_image_size: str | int = "20MB"
+    # Width x height, read from the header before decoding (decompression bombs).
+    max_image_pixels: int = 50_000_000
+    max_images: int = 100
+
+
+@dataclass(slots=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
@@ -190,6 +200,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
     normalization: NormalizationConfig = field(default_factory=NormalizationConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
 
 
 # ---------------------------------------------------------------------------------------

@@ -74,6 +74,10 @@ def validate(config: Config, origins: Origins) -> None:
     )
     if e.kv_memory is not None:
         parses("engine.kv_memory", lambda v: resolve_kv_memory(v, 1 << 30), e.kv_memory)
+    v = config.vision
+    parses("vision.max_image_size", parse_size, v.max_image_size)
+    check("vision.max_image_pixels", v.max_image_pixels > 0, "must be positive")
+    check("vision.max_images", v.max_images >= 0, f"must be 0 or more, got {v.max_images}")
     check("cache.block_size", c.block_size > 0, "must be positive")
     if c.session_ttl is not None:
         parses("cache.session_ttl", parse_duration, c.session_ttl)

@@ -10,9 +10,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from engine_bridge.types import GenerationRequest, Message, Sampling, ToolCall
+from engine_bridge.types import GenerationRequest, ImageInput, Message, Sampling, ToolCall
 
 from . import fields as f
+from . import images
 from .errors import ApiError
 from .generation import Generation, request_options, session_id, start
 from .output import Part, merge
@@ -48,13 +49,22 @@ def _max_tokens(body: dict) -> int:
 
 def text_of(content: Any, where: str) -> str:
     """String content, or the text parts of a content array."""
+    text, parts = content_of(content, where)
+    if parts is not None:
+        first = next(p for p in parts if isinstance(p, ImageInput))
+        raise ApiError(400, f"{first.field}: images are not accepted here", param=first.field)
+    return text
+
+
+def content_of(content: Any, where: str) -> tuple[str, tuple[str | ImageInput, ...] | None]:
+    """The text of string content or a content array, and its parts when it has images."""
     if content is None:
-        return ""
+        return "", None
     if isinstance(content, str):
-        return content
+        return content, None
     if not isinstance(content, list):
         raise ApiError(400, f"{where}: expected a string or an array of content parts", param=where)
-    out = []
+    out: list[str | ImageInput] = []
     for i, part in enumerate(content):
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise ApiError(
@@ -64,13 +74,16 @@ def text_of(content: Any, where: str) -> str:
             if not isinstance(part.get("text"), str):
                 raise ApiError(400, f"{where}[{i}].text: expected a string", param=where)
             out.append(part["text"])
+        elif part["type"] == "image_url":
+            out.append(images.openai_image(part, f"{where}[{i}]"))
         else:
             raise ApiError(
                 400,
                 f"{where}[{i}]: content type {part['type']!r} is not supported by this model",
                 param=where,
             )
-    return "".join(out)
+    text = "".join(p for p in out if isinstance(p, str))
+    return text, None if all(isinstance(p, str) for p in out) else tuple(out)
 
 
 def _parse_arguments(raw: Any, where: str) -> Any:
@@ -100,7 +113,10 @@ def parse_messages(body: dict) -> list[Message]:
                 param="messages",
             )
         role = {"developer": "system", "function": "tool"}.get(role, role)
-        content = text_of(m.get("content"), f"{where}.content")
+        if role in ("user", "tool"):
+            content, parts = content_of(m.get("content"), f"{where}.content")
+        else:
+            content, parts = text_of(m.get("content"), f"{where}.content"), None
         if role == "assistant":
             reasoning = m.get("reasoning_content")
             calls = m.get("tool_calls")
@@ -120,9 +136,9 @@ def parse_messages(body: dict) -> list[Message]:
             )
         elif role == "tool":
             call_id = m.get("tool_call_id") or m.get("name") or ""
-            out.append(Message(role, content, tool_call_id=call_id))
+            out.append(Message(role, content, tool_call_id=call_id, parts=parts))
         else:
-            out.append(Message(role, content))
+            out.append(Message(role, content, parts=parts))
     return out
 
 

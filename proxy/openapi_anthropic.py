@@ -18,14 +18,36 @@ def schemas() -> dict[str, Schema]:
         },
         ["type", "name"],
     )
+    image = obj(
+        {
+            "type": {"const": "image"},
+            "source": obj(
+                {
+                    "type": {
+                        "description": "base64 only: a url source gets a 400 (no fetching)",
+                        "const": "base64",
+                    },
+                    "media_type": STRING,
+                    "data": STRING,
+                },
+                ["type", "media_type", "data"],
+            ),
+        },
+        ["type", "source"],
+        description="for models that can see ([vision] limits apply); others answer 400",
+    )
+    tool_content = {
+        "anyOf": [STRING, {"type": "array", "items": {"anyOf": [ref("TextBlock"), image]}}]
+    }
     user_blocks = {
         "anyOf": [
             ref("TextBlock"),
+            image,
             obj(
                 {
                     "type": {"const": "tool_result"},
                     "tool_use_id": STRING,
-                    "content": nullable(text_content),
+                    "content": nullable(tool_content),
                     "is_error": BOOL,
                 },
                 ["type"],

@@ -8,9 +8,24 @@ from .openapi_schema import ANY_OBJECT, BOOL, COUNT, INT, STRING, Schema, nullab
 
 def schemas() -> dict[str, Schema]:
     text_part = obj({"type": {"enum": ["text", "input_text"]}, "text": STRING}, ["type", "text"])
+    image_part = obj(
+        {
+            "type": {"const": "image_url"},
+            "image_url": {
+                "description": "a data: URL (base64); a remote URL gets a 400 (no fetching)",
+                "anyOf": [STRING, obj({"url": STRING, "detail": STRING}, ["url"])],
+            },
+        },
+        ["type", "image_url"],
+    )
     content = {
-        "description": "A string, or text parts; image and audio parts get a 400",
-        "anyOf": [STRING, {"type": "array", "items": text_part}, {"type": "null"}],
+        "description": "A string, or text parts; image_url parts in user and tool messages "
+        "for models that can see ([vision] limits apply); audio parts get a 400",
+        "anyOf": [
+            STRING,
+            {"type": "array", "items": {"anyOf": [text_part, image_part]}},
+            {"type": "null"},
+        ],
     }
     tool_call = obj(
         {

@@ -11,6 +11,7 @@ from engine_bridge.cache.write_policy import resolve_write_policy
 from engine_bridge.engine import EngineSettings
 from engine_bridge.prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from engine_bridge.prompt_cache import CachePolicy
+from engine_bridge.vision_prompt import VisionLimits
 
 from .config import Config
 from .config_shared import shared_settings
@@ -79,6 +80,11 @@ def engine_settings(config: Config) -> EngineSettings:
             cache.pin_max, resolve_ram_budget(cache.ram.budget, ram.available), "pin_max"
         ),
         alert_hit_ratio=cache.alert_hit_ratio,
+        vision_limits=VisionLimits(
+            max_image_bytes=parse_size(config.vision.max_image_size),
+            max_image_pixels=config.vision.max_image_pixels,
+            max_images=config.vision.max_images,
+        ),
     )
 
 
