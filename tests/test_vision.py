@@ -163,3 +163,19 @@ def test_limits_and_undecodable_images_name_the_part(demo_vision):
         vp.check_count(images, vp.VisionLimits(max_images=2))
     assert e.value.field == "messages[2].content[0].source.data"
     assert "3 images, more than the 2 allowed" in e.value.message
+
+
+def test_the_same_bytes_are_preprocessed_once_and_limits_still_apply(demo_vision):
+    spec = demo_vision[0].spec
+    data = encoded(picture(11, 300, 200))
+    first = vp.preprocess(ImageInput(data, "", "a"), spec, vp.VisionLimits())
+    hits = spec.prepared.hits
+    first.start = 40  # what expand() does for one request ...
+    again = vp.preprocess(ImageInput(data, "", "b"), spec, vp.VisionLimits())
+    assert spec.prepared.hits == hits + 1
+    assert (again.digest, again.grid_thw, again.start) == (first.digest, first.grid_thw, 0)
+    with pytest.raises(EngineError) as e:  # ... a stricter limit is not skipped by the memo
+        vp.preprocess(ImageInput(data, "", "c"), spec, vp.VisionLimits(max_image_pixels=59_999))
+    assert e.value.message == (
+        "c: the image is 300x200 pixels, more than the 59999 allowed ([vision] max_image_pixels)"
+    )
