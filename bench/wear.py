@@ -3,7 +3,9 @@ hit a restart keeps.
 
 Run as `python -m bench.wear --model demo-hybrid --out DIR` (or `--shape qwen3.6-35b-a3b`
 for a layer-scaled build of that shape: real per-layer dimensions, fewer layers and
-experts). It drives an in-process Engine (its own process, like engine_bridge.probes)
+experts, unquantized, its bytes scaled by the layer count). Each row also prices its entry
+counts at qwen3.6-35b-a3b's entry sizes (`scaled`), with the issue's target, 1.5 x (final
+KV + one checkpoint). It drives an in-process Engine (its own process, like engine_bridge.probes)
 through one session of the bench's agent trace, turn by turn, closes it (a graceful
 restart), opens a new one on the same cache folder and sends the session's next turn and a
 second session's first call; it reports, per policy, the SSD bytes written, the RAM the
