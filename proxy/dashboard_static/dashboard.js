@@ -258,10 +258,11 @@
             {},
             { label: "from RAM", ...point("#1f9d55") },
             { label: "from SSD", ...point("#3b6fd8") },
+            { label: "from shared store", ...point("#8a4fd8") },
             { label: "no hit", ...point("#c0641a") },
           ],
         },
-        [[], [], [], []],
+        [[], [], [], [], []],
         $("ttft-chart"),
       );
     }
@@ -272,7 +273,8 @@
       points.map((p) => p.time),
       column("ram"),
       column("ssd"),
-      points.map((p) => (p.source === "ram" || p.source === "ssd" ? null : p.ttft_s)),
+      column("shared"),
+      points.map((p) => (["ram", "ssd", "shared"].includes(p.source) ? null : p.ttft_s)),
     ]);
     const missing = recent.status === 200 ? "" : problem(recent, "/v1/cache/requests");
     showNote("hit-note", missing && `Only the since-start line: ${missing}.`);
