@@ -57,6 +57,7 @@ class ModelEntry:
 class Engine:
     def __init__(self, settings: EngineSettings):
         self.settings = settings
+        heap.tune()  # glibc: MLX's buffers in mmapped chunks, not fragmenting the heap
         self._entries: dict[str, ModelEntry] = {}
         # Every tokenizer call runs on this one thread. Hugging Face tokenizers keep a BPE
         # word cache per thread, so on the shared pool each of its threads filled its own:
