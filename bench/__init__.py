@@ -25,6 +25,7 @@ SCENARIOS = (
     "concurrency",
     "shared",
     "wear",
+    "vision",
 )
 HYBRID_DEFAULT = ("demo-hybrid", "demo-swa")
 

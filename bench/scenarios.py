@@ -234,6 +234,7 @@ def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
     from .overhead import overhead
     from .restart import restart
     from .shared import shared
+    from .vision import vision
     from .wear import scenario as wear
 
     return {
@@ -246,6 +247,7 @@ def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
         "concurrency": concurrency,
         "shared": shared,
         "wear": wear,
+        "vision": vision,
     }
 
 
