@@ -72,11 +72,19 @@ def normalize_messages(
     """Apply the rules to the contents of the roles they name."""
     out = []
     for message in messages:
-        content = message.content
+        content, parts = message.content, message.parts
         for rule in rules:
             if message.role in rule.roles:
                 content = rule.pattern.sub(rule.replacement, content)
-        out.append(message if content == message.content else replace(message, content=content))
+                if parts is not None:  # the text between images is what the template renders
+                    parts = tuple(
+                        rule.pattern.sub(rule.replacement, p) if isinstance(p, str) else p
+                        for p in parts
+                    )
+        if content == message.content and parts == message.parts:
+            out.append(message)
+        else:
+            out.append(replace(message, content=content, parts=parts))
     return out
 
 

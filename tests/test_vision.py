@@ -179,3 +179,41 @@ def test_the_same_bytes_are_preprocessed_once_and_limits_still_apply(demo_vision
     assert e.value.message == (
         "c: the image is 300x200 pixels, more than the 59999 allowed ([vision] max_image_pixels)"
     )
+
+
+def test_normalization_rules_rewrite_the_text_between_images():
+    import re
+
+    from engine_bridge.prompt import NormalizationRule, normalize_messages
+    from engine_bridge.types import Message
+
+    image = ImageInput(b"png bytes", "image/png", "messages[0].content[1].source.data")
+    rule = NormalizationRule("date", re.compile(r"\d{4}-\d{2}-\d{2}"), "<date>", ("user",))
+    message = Message("user", "On 2026-12-01:", parts=("On 2026-12-01:", image, "see 2026-11-30"))
+    (out,) = normalize_messages([message], [rule])
+    assert out.parts == ("On <date>:", image, "see <date>")
+    assert out.to_template()["content"] == [
+        {"type": "text", "text": "On <date>:"},
+        {"type": "image"},
+        {"type": "text", "text": "see <date>"},
+    ]
+
+
+def test_models_listing_says_which_models_can_see(tmp_path, demo_vision):
+    import json
+
+    from engine_bridge.discovery import scan
+
+    _, config, _ = demo_vision
+    root = tmp_path / "lmstudio"
+    for name, cfg in (
+        ("org/vl", config),
+        ("org/text", {"model_type": "llama"}),
+        ("org/hybrid-vl", {"model_type": "qwen3_5", "vision_config": {"depth": 2}}),
+    ):
+        folder = root / name
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(cfg))
+        (folder / "model.safetensors").write_bytes(b"\0" * 8)
+    seen = {m.id: m.vision for m in scan([root])}
+    assert seen == {"org/vl": "yes", "org/text": "no", "org/hybrid-vl": "unsupported"}
