@@ -359,3 +359,37 @@ def test_the_served_answer_is_mlx_vlms_own_greedy_generation(server, tokenizer, 
         out.append(int(mx.argmax(logits[0, -1])))
         logits = model.lm(mx.array([[out[-1]]]), cache=cache).logits
     assert served == tokenizer.decode(out)
+
+
+def test_a_restarted_server_resumes_past_the_image_from_ssd(vision_root, tokenizer, tmp_path):
+    """Image keys are content hashes, the same in every process: SSD blocks still match."""
+    cache = fresh_cache_dir(vision_root, tmp_path / "cache")
+    args = ("--model", MODEL, "--upstream", "http://127.0.0.1:9")
+    turn1 = [{"role": "user", "content": [image_block(30), {"type": "text", "text": "What now?"}]}]
+    first = start_server(cache, *args, log_path=tmp_path / "first.log")
+    try:
+        chat = Chat(first, tokenizer)
+        answer, _, prompt1 = chat.ask(turn1)
+    finally:
+        assert first.stop() == 0
+    turn2 = turn1 + [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "Go on."},
+    ]
+    second = start_server(cache, *args, log_path=tmp_path / "second.log")
+    try:
+        client = anthropic.Anthropic(base_url=second.url, api_key="test", max_retries=0)
+        raw = client.messages.with_raw_response.create(
+            model=MODEL,
+            system=SYSTEM,
+            messages=turn2,
+            max_tokens=12,
+            extra_body={"temperature": 0},
+            extra_headers={"x-tenant": chat.tenant},
+        )
+        assert raw.headers["x-prompt-cache-source"] == "ssd"
+        assert int(raw.headers["x-prompt-cache-hit-tokens"]) >= prompt1 - 1
+        chat.client = client
+        assert raw.parse().content[0].text == chat.ask(turn2, bypass=True)[0]
+    finally:
+        second.stop()
