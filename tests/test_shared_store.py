@@ -69,9 +69,14 @@ def put_all(store: SharedStore, n: int, scope: Scope = SCOPE, size: int = 1000) 
     assert store.flush(20)
 
 
-def warnings_of(caplog) -> list[str]:
+def warnings_of(caplog, store: SharedStore) -> list[str]:
+    """This store's warnings (a store of an earlier test may still be winding down)."""
     return [
-        r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING
+        r.getMessage()
+        for r in caplog.records
+        if r.name == LOGGER
+        and r.levelno >= logging.WARNING
+        and r.getMessage().startswith(f"shared cache {store.url}:")
     ]
 
 
@@ -197,7 +202,7 @@ def test_down_at_start_is_a_miss_with_one_warning_until_it_comes_up(tmp_path, ca
     assert store.flush(10)
     s = store.stats()
     assert s.errors["down"] >= 1 and s.unavailable_skips >= 1 and s.writes == 0
-    assert len([m for m in warnings_of(caplog) if "unreachable" in m]) == 1
+    assert len([m for m in warnings_of(caplog, store) if "unreachable" in m]) == 1
     holder.close()
     server = RedisServer(tmp_path, port=port).start()
     try:
@@ -206,7 +211,7 @@ def test_down_at_start_is_a_miss_with_one_warning_until_it_comes_up(tmp_path, ca
             assert time.monotonic() < deadline, store.stats()
             time.sleep(0.05)
         assert store.flush(10) and store.stats().writes == 1
-        assert any("reachable again" in m for m in warnings_of(caplog))
+        assert any("reachable again" in m for m in warnings_of(caplog, store))
     finally:
         store.close()
         server.stop()
@@ -226,7 +231,7 @@ def test_down_mid_request_hands_the_reservation_back(redis_server, caplog):
     assert store.stats().errors["down"] == 1
     for _ in range(10):
         assert store.get_many(SCOPE, BLOCK, keys) == [None] * 3
-    assert len(warnings_of(caplog)) == 1
+    assert len(warnings_of(caplog, store)) == 1
     store.close()
 
 
@@ -251,7 +256,9 @@ def test_a_store_slower_than_the_timeout_is_a_miss(redis_server, caplog):
         assert slow.get_many(SCOPE, BLOCK, [key(0)]) == [None]
     s = slow.stats()
     assert s.errors["timeout"] >= 1 and s.unavailable_skips >= 9 and not s.available
-    assert [m for m in warnings_of(caplog) if "timeout" in m] and len(warnings_of(caplog)) == 1
+    assert [m for m in warnings_of(caplog, slow) if "timeout" in m] and len(
+        warnings_of(caplog, slow)
+    ) == 1
     slow.close()
     fast.close()
     relay.close()
@@ -272,7 +279,7 @@ def test_a_full_store_refuses_writes_and_still_serves_reads(redis_server, caplog
     # Writes pause for a while after an OOM; reads go on.
     assert store.put(SCOPE, BLOCK, key(20), tensors(20), {}, tokens=4) == "disabled"
     assert as_bytes(store.get_many(SCOPE, BLOCK, [key(0)])[0].tensors) == as_bytes(tensors(0))
-    assert len([m for m in warnings_of(caplog) if "full" in m]) == 1
+    assert len([m for m in warnings_of(caplog, store) if "full" in m]) == 1
     store.close()
 
 
@@ -300,7 +307,7 @@ def test_a_corrupt_or_truncated_value_is_a_miss_and_is_deleted(store, redis_serv
     assert got[0] is None and got[1] is not None and len(held) == 1
     assert store.stats().errors["corrupt"] == 1
     assert store.flush(10) and c.exists(name) == 0
-    assert len(warnings_of(caplog)) == 1
+    assert len(warnings_of(caplog, store)) == 1
 
 
 @pytest.fixture
@@ -318,7 +325,7 @@ def test_a_wrong_or_missing_password_is_a_miss_with_one_warning(locked_redis, ca
     assert store.flush(10)
     s = store.stats()
     assert s.errors["auth"] >= 1 and s.writes == 0
-    messages = warnings_of(caplog)
+    messages = warnings_of(caplog, store)
     assert len(messages) == 1 and "authentication" in messages[0]
     assert "wrong-pw" not in messages[0] and "wrong-pw" not in s.url
     store.close()
@@ -344,7 +351,7 @@ def test_rediss_with_the_ca_reads_and_writes_and_an_untrusted_server_is_refused(
         for s in (plain, untrusting):
             assert s.sizes(SCOPE, BLOCK, [key(0)]) == [0]
         assert untrusting.stats().errors["down"] >= 1 and not untrusting.stats().available
-        assert any("CERTIFICATE_VERIFY_FAILED" in m for m in warnings_of(caplog))
+        assert any("CERTIFICATE_VERIFY_FAILED" in m for m in warnings_of(caplog, untrusting))
         for s in (trusting, plain, untrusting):
             s.close()
     finally:
