@@ -313,6 +313,7 @@ class Engine:
             context_length=loaded.context_length,
             cache_kind=loaded.cache_kind,
             max_batch=entry.runner.max_batch,
+            vision=loaded.vision is not None,
         )
 
     async def count_tokens(self, req: GenerationRequest) -> int:

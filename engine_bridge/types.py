@@ -187,6 +187,8 @@ class ModelInfo:
     cache_kind: str = "unknown"
     # How many sequences decode together in one step (1 when the cache cannot batch).
     max_batch: int | None = None
+    # Loaded with its vision tower: images in requests are seen (LM Studio's "vlm").
+    vision: bool = False
 
 
 @dataclass(slots=True)

@@ -37,7 +37,8 @@ def local_model_entry(engine: Engine, model_id: str) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "id": model_id,
         "object": "model",
-        "type": "llm",
+        # LM Studio's own word for a model that takes images.
+        "type": "vlm" if info.vision else "llm",
         "publisher": model_id.split("/")[0] if "/" in model_id else "mlx-prompt-cache",
         "compatibility_type": "mlx",
         "state": "loaded" if info.loaded else "not-loaded",

@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("mlx_vlm")
 
 import anthropic  # noqa: E402
+import httpx  # noqa: E402
 import openai  # noqa: E402
 from conftest import fresh_cache_dir, start_server  # noqa: E402
 from PIL import Image  # noqa: E402
@@ -210,6 +211,8 @@ def test_openai_data_url_equals_bypass_and_remote_url_is_refused(server):
             (r.parse().choices[0].message.content, r.headers["x-prompt-cache-hit-tokens"])
         )
     assert answers[0][0] == answers[1][0] == answers[2][0]
+    (entry,) = httpx.get(server.url + "/api/v0/models", timeout=30).json()["data"]
+    assert (entry["id"], entry["type"], entry["state"]) == (MODEL, "vlm", "loaded")
     assert int(answers[1][1]) > 0
     remote = [
         {
@@ -291,6 +294,8 @@ def test_without_the_extra_images_get_a_400_naming_it(vision_root, tmp_path):
             "messages[0].content[0].source.data: model 'demo-vision' has a vision tower"
         )
         assert "pip install 'mlx-prompt-cache[vision]'" in msg
+        entry = httpx.get(s.url + "/api/v0/models", timeout=30).json()["data"][0]
+        assert (entry["id"], entry["type"], entry["state"]) == (MODEL, "llm", "loaded")
     finally:
         s.stop()
 
@@ -298,8 +303,6 @@ def test_without_the_extra_images_get_a_400_naming_it(vision_root, tmp_path):
 def test_image_and_text_requests_decode_in_one_batch_each_as_alone(server, tokenizer):
     """Each batch row shifts its positions by its own prompt's RoPE delta."""
     import concurrent.futures
-
-    import httpx
 
     def conversation(i: int) -> list[dict]:
         if i == 2:
