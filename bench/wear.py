@@ -260,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.shape:
         from engine_bridge.probes import build_shape
 
-        # Unquantized: MLX's CPU quantized matmul is a scalar loop (a 512-token chunk took
-        # over 10 minutes on 2 cores), and a weight's format changes no cache entry's size.
+        # Unquantized: MLX's CPU quantized matmul is a scalar loop (a 16-token forward of the
+        # 4-bit build ran past 2 minutes), and a weight's format changes no entry's size.
         path = build_shape(args.shape, root, SHAPE_OVERRIDES, bits=None)
         _float32_gather_mm_on_cpu()
         spec, model_id = str(path), path.name
