@@ -5,6 +5,10 @@ with token ids and a cache), so text-only requests, batching and every cache tie
 unchanged. The differences: positions are multimodal RoPE (three indices per token), always
 passed explicitly so they never depend on module state or on where a cached prefix ended,
 and a prompt with images is prefilled from embeddings with the image features in place.
+
+On a hybrid model (Qwen3.5: Gated DeltaNet layers between full-attention ones) the cache is
+mlx-lm's own classes (`make_cache`), so every tier pages and checkpoints it as it does a
+text model's; mlx-vlm's recurrent layers run on it through `_vlm_view`.
 """
 
 from __future__ import annotations
@@ -57,8 +61,12 @@ class VisionModel:
     def __init__(self, model: Any, processor: Any, config: dict[str, Any]):
         self.vlm = model
         self.lm = model.language_model
+        # A hybrid layout's first layer is recurrent (no offset): positions are read from
+        # a full-attention layer's cache, as mlx-vlm does.
+        self._fa_idx: int | None = getattr(self.lm.model, "fa_idx", None)
+        image_token = config.get("image_token_id", config.get("image_token_index"))
         self.spec = VisionSpec(
-            image_token_id=int(config["image_token_id"]),
+            image_token_id=int(image_token),
             vision_start_token_id=int(config["vision_start_token_id"]),
             merge_size=int(config["vision_config"].get("spatial_merge_size", 2)),
             image_processor=processor.image_processor,
@@ -68,11 +76,33 @@ class VisionModel:
         self.encoder_runs = 0  # images the vision tower encoded (feature cache misses)
 
     @property
+    def hybrid(self) -> bool:
+        """Whether recurrent (Gated DeltaNet) layers sit between the attention layers."""
+        return self._fa_idx is not None
+
+    @property
     def layers(self) -> list[Any]:
         return self.lm.model.layers
 
     def parameters(self) -> Any:
         return self.vlm.parameters()
+
+    def make_cache(self) -> list[Any]:
+        """mlx-lm's cache classes, which the cache tiers know: K/V for attention layers,
+        ArraysCache (conv window and recurrent state) for Gated DeltaNet layers."""
+        from mlx_lm.models.cache import ArraysCache, KVCache
+
+        if not self.hybrid:
+            return [KVCache() for _ in self.layers]
+        return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
+
+    def _forward(self, cache: Any, **kw: Any) -> mx.array:
+        if not self.hybrid or not cache:
+            return self.lm(cache=cache, **kw).logits
+        view = _vlm_view(cache)
+        logits = self.lm(cache=view, **kw).logits
+        _write_back(cache, view)
+        return logits
 
     def __call__(
         self, inputs: mx.array, cache: Any = None, rope_deltas: list[int] | None = None
@@ -80,7 +110,7 @@ class VisionModel:
         """Logits for `inputs` (B, L) following `cache`: text positions, each row shifted by
         its prompt's RoPE delta (0 for a prompt without images)."""
         batch, length = inputs.shape
-        offset = cache[0].offset if cache else 0
+        offset = cache[self._fa_idx or 0].offset if cache else 0
         if isinstance(offset, mx.array) and offset.ndim > 0:
             start = offset.reshape(-1, 1)
         else:
@@ -89,7 +119,7 @@ class VisionModel:
             start = start + mx.array(rope_deltas).reshape(-1, 1)
         pos = start + mx.arange(length)[None]
         positions = mx.broadcast_to(pos[None], (3, batch, length))
-        return self.lm(inputs, cache=cache, position_ids=positions).logits
+        return self._forward(cache, inputs=inputs, position_ids=positions)
 
     def prefill(self, prompt: VisionPrompt, start: int, end: int, cache: Any) -> mx.array:
         """Run tokens [start, end) of a prompt with images; features fill image positions."""
@@ -109,9 +139,9 @@ class VisionModel:
             pieces.append(embed(mx.array(prompt.model_tokens[cursor:end])))
         h = mx.concatenate(pieces, axis=0)[None] if len(pieces) > 1 else pieces[0][None]
         positions = mx.array(prompt.positions[:, start:end].astype(np.int32))[:, None, :]
-        return self.lm(
-            mx.array(ids)[None], inputs_embeds=h, cache=cache, position_ids=positions
-        ).logits
+        return self._forward(
+            cache, inputs=mx.array(ids)[None], inputs_embeds=h, position_ids=positions
+        )
 
     def features(self, image: Any) -> mx.array:
         """The vision tower's output for `image`, from the feature cache when it is there."""
@@ -126,6 +156,8 @@ class VisionModel:
             mx.array([list(image.grid_thw)]),
             output_hidden_states=False,
         )
+        if isinstance(feats, tuple):  # Qwen3-VL's tower: (features, deepstack features)
+            feats = feats[0]
         mx.eval(feats)
         self.encoder_runs += 1
         assert feats.shape[0] == image.n_tokens, (feats.shape, image.n_tokens)
@@ -135,3 +167,36 @@ class VisionModel:
             _, old = self._features.popitem(last=False)
             self._feature_bytes -= old.nbytes
         return feats
+
+
+def _vlm_view(cache: list[Any]) -> list[Any]:
+    """`cache` with each mlx-lm ArraysCache as mlx-vlm's (the same arrays), whose causal
+    window and recurrent updates mlx-vlm's Gated DeltaNet layers call; K/V caches as is."""
+    from mlx_lm.models.cache import ArraysCache
+    from mlx_vlm.models.cache import ArraysCache as VlmArraysCache
+
+    view = []
+    for c in cache:
+        if type(c) is ArraysCache:
+            v = VlmArraysCache(len(c.cache))
+            v.cache = list(c.cache)
+            if c.left_padding is not None:
+                v.left_padding = c.left_padding
+            if c.lengths is not None:
+                v.lengths = c.lengths
+            c = v
+        view.append(c)
+    return view
+
+
+def _write_back(cache: list[Any], view: list[Any]) -> None:
+    """Carry the states a forward pass left in `view` back into the mlx-lm caches."""
+    from mlx_lm.models.cache import ArraysCache
+
+    for i, (c, v) in enumerate(zip(cache, view, strict=True)):
+        if type(c) is ArraysCache:
+            c.cache = list(v.cache)
+            c.left_padding = v.left_padding
+            c.lengths = v.lengths
+        elif v is not c:  # the model replaced a batch cache (its row-wise path)
+            cache[i] = v

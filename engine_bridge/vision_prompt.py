@@ -125,7 +125,8 @@ def images_of(messages: list[Message] | None) -> list[ImageInput]:
 
 
 # Model types whose positions and merge rule `rope_positions` implements.
-SUPPORTED_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# Qwen3.5 (hybrid: Gated DeltaNet and attention layers) places still images as Qwen2-VL does.
+SUPPORTED_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_5")
 
 
 def vision_status(config: dict[str, Any]) -> str:

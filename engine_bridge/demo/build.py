@@ -34,9 +34,7 @@ def recipe_digest(name: str) -> str:
     h.update(tokenizer.corpus_bytes())
     h.update(tokenizer.chat_template().encode("utf-8"))
     if name in specs.VISION_DEMO_IDS:
-        from . import vision
-
-        h.update(vision.recipe_inputs())
+        h.update(specs.vision_demo_module(name).recipe_inputs())
     else:
         h.update(json.dumps(specs.model_config(name, 0, 0), sort_keys=True).encode())
     return h.hexdigest()
@@ -111,9 +109,7 @@ def _build_and_publish(name: str, final: Path, digest: str) -> None:
 def write_model_files(name: str, out: Path) -> None:
     """Write every file of demo model `name` into the existing directory `out`."""
     if name in specs.VISION_DEMO_IDS:
-        from . import vision
-
-        vision.write_model_files(out)
+        specs.vision_demo_module(name).write_model_files(out)
         return
     # mlx is imported here, not at module top, so the fast path stays cheap.
     from . import weights

@@ -67,7 +67,18 @@ _SPECS: dict[str, dict[str, Any]] = {
 DEMO_MODEL_IDS: tuple[str, ...] = tuple(_SPECS)
 # Built by demo/vision.py through mlx-vlm, so only with the vision extra; not among the
 # models a server loads when none are named.
-VISION_DEMO_IDS: tuple[str, ...] = ("demo-vision",)
+VISION_DEMO_IDS: tuple[str, ...] = ("demo-vision", "demo-vision-hybrid")
+
+
+def vision_demo_module(name: str) -> Any:
+    """The module that builds vision demo `name` (demo/vision.py or demo/vision_hybrid.py)."""
+    if name == "demo-vision-hybrid":
+        from . import vision_hybrid
+
+        return vision_hybrid
+    from . import vision
+
+    return vision
 
 
 def is_demo_model(name: str) -> bool:

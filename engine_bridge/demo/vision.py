@@ -150,17 +150,22 @@ def _preprocessor_json() -> str:
 
 def random_weights(config: dict[str, Any], muted_token_ids: list[int]) -> dict[str, np.ndarray]:
     """Every parameter of mlx-vlm's Qwen2-VL for `config`, seeded per name, as float32."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_vlm.models import qwen2_vl
-
-    from .weights import BRANCH_GAIN, _key
 
     # As mlx-vlm's loader does: the top config, then each tower's own config class.
     args = qwen2_vl.ModelConfig.from_dict(json.loads(json.dumps(config)))
     args.text_config = qwen2_vl.TextConfig.from_dict(args.text_config)
     args.vision_config = qwen2_vl.VisionConfig.from_dict(config["vision_config"])
-    model = qwen2_vl.Model(args)
+    return random_params(qwen2_vl.Model(args), muted_token_ids)
+
+
+def random_params(model: Any, muted_token_ids: list[int]) -> dict[str, np.ndarray]:
+    """Every parameter of an mlx-vlm model, drawn from its name's own key, as float32."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from .weights import BRANCH_GAIN, _key
+
     params = {}
     for name, value in tree_flatten(model.parameters()):
         key = _key(name)
