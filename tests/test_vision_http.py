@@ -75,7 +75,8 @@ def tokenizer(vision_root):
 class Chat:
     """One tenant's conversation over the Anthropic SDK: nothing another test stored hits."""
 
-    def __init__(self, server, tokenizer):
+    def __init__(self, server, tokenizer, model: str = MODEL):
+        self.model = model
         self.client = anthropic.Anthropic(
             base_url=server.url, api_key="test", max_retries=0, timeout=120
         )
@@ -89,7 +90,7 @@ class Chat:
         if bypass:
             headers["x-prompt-cache"] = "bypass"
         raw = self.client.messages.with_raw_response.create(
-            model=MODEL,
+            model=self.model,
             system=SYSTEM,
             messages=messages,
             max_tokens=max_tokens,
@@ -108,6 +109,11 @@ class Chat:
 
     def image_starts(self, messages: list[dict]) -> list[int]:
         """Token index of each image's first token in the prompt of `messages`."""
+        pad = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        return [i for i, t in enumerate(self.rendered(messages)) if t == pad]
+
+    def rendered(self, messages: list[dict]) -> list[int]:
+        """The prompt's ids as the template renders it: one pad per image."""
         chat = [{"role": "system", "content": SYSTEM}]
         for m in messages:
             content = m["content"]
@@ -115,9 +121,7 @@ class Chat:
                 content = [{"type": "image"} if b["type"] == "image" else b for b in content]
             chat.append({"role": m["role"], "content": content})
         text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        ids = self.tokenizer.encode(text)
-        pad = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        return [i for i, t in enumerate(ids) if t == pad]
+        return self.tokenizer.encode(text)
 
 
 def test_image_at_the_start_hits_through_and_past_it_and_equals_bypass(server, tokenizer):
