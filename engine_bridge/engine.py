@@ -145,6 +145,9 @@ class Engine:
         async with entry.loading:
             if entry.runner is None:
                 loaded = await self._on_mlx(models.load, entry.ref)
+                if loaded.vision is not None and self.settings.cache_enabled:
+                    ram, ssd = self.tiers.ram, self.tiers.ssd
+                    loaded.vision.feature_cache.bind(ram, ssd, loaded.fingerprint)
                 entry.runner = Runner(
                     loaded,
                     self.scheduler,
@@ -177,6 +180,8 @@ class Engine:
                 entry.runner = None
                 self.scheduler.remove(runner)
             idle_for = now - runner.last_used
+            if runner.loaded.vision is not None:
+                runner.loaded.vision.feature_cache.clear()  # its RAM goes back to the budget
             del runner  # the last reference: the weights go with it
             await self._on_mlx(release_memory)
             log.info("unloaded %s after %.0fs idle", model_id, idle_for)
@@ -340,7 +345,7 @@ class Engine:
         if images:
             assert loaded.vision is not None
             prompt = await self._tokenize(
-                vision_prompt.attach, prompt, images, loaded.vision.spec, limits
+                vision_prompt.attach, prompt, images, loaded.vision.spec, limits, req.tenant
             )
         return prompt
 
@@ -357,8 +362,21 @@ class Engine:
             "memory": asdict(self.memory.pressure) | mlx_memory(),
             **asdict(self.tiers.stats()),
             "models": self.model_ids,
+            "vision": self._vision_stats(),
             "alert": self.request_log.alert_state(),
         }
+
+    def _vision_stats(self) -> dict:
+        """Feature and preprocessing caches, summed over the loaded models that see."""
+        total: dict[str, int] = {}
+        for entry in self._entries.values():
+            seeing = entry.runner.loaded.vision if entry.runner else None
+            if seeing is None:
+                continue
+            counts = asdict(seeing.feature_cache.snapshot()) | seeing.spec.prepared.stats()
+            for k, v in counts.items():
+                total[k] = total.get(k, 0) + v
+        return total
 
     def _scheduler_stats(self) -> dict:
         s = self.scheduler.stats

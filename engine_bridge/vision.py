@@ -14,20 +14,16 @@ text model's; mlx-vlm's recurrent layers run on it through `_vlm_view`.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from .vision_features import FeatureCache
 from .vision_prompt import SUPPORTED_TYPES, VisionPrompt, VisionSpec, available
 
 log = logging.getLogger("engine_bridge.vision")
-
-# Encoder outputs kept by image digest, so a later turn with the same image skips the
-# vision tower; bounded by bytes (a screenshot's features are a few MB on a large model).
-FEATURE_CACHE_BYTES = 256 << 20
 
 
 def mlx_vlm_version() -> str:
@@ -71,9 +67,14 @@ class VisionModel:
             merge_size=int(config["vision_config"].get("spatial_merge_size", 2)),
             image_processor=processor.image_processor,
         )
-        self._features: OrderedDict[bytes, mx.array] = OrderedDict()
-        self._feature_bytes = 0
-        self.encoder_runs = 0  # images the vision tower encoded (feature cache misses)
+        # Encoder outputs by image digest, so a later turn with the same image skips the
+        # vision tower; the engine binds it to the RAM and SSD tiers.
+        self.feature_cache = FeatureCache()
+
+    @property
+    def encoder_runs(self) -> int:
+        """Images the vision tower encoded (misses in every feature tier)."""
+        return self.feature_cache.stats.encoder_runs
 
     @property
     def hybrid(self) -> bool:
@@ -132,7 +133,7 @@ class VisionModel:
                 continue
             if lo > cursor:
                 pieces.append(embed(mx.array(prompt.model_tokens[cursor:lo])))
-            feats = self.features(image)
+            feats = self.features(image, prompt.tenant)
             pieces.append(feats[lo - image.start : hi - image.start].astype(embed.weight.dtype))
             cursor = hi
         if cursor < end:
@@ -143,11 +144,11 @@ class VisionModel:
             cache, inputs=mx.array(ids)[None], inputs_embeds=h, position_ids=positions
         )
 
-    def features(self, image: Any) -> mx.array:
+    def features(self, image: Any, tenant: str = "default") -> mx.array:
         """The vision tower's output for `image`, from the feature cache when it is there."""
-        hit = self._features.get(image.digest)
+        hit = self.feature_cache.get(tenant, image.digest)
         if hit is not None:
-            self._features.move_to_end(image.digest)
+            assert hit.shape[0] == image.n_tokens, (hit.shape, image.n_tokens)
             return hit
         tower = self.vlm.vision_tower
         dtype = tower.patch_embed.proj.weight.dtype
@@ -159,13 +160,8 @@ class VisionModel:
         if isinstance(feats, tuple):  # Qwen3-VL's tower: (features, deepstack features)
             feats = feats[0]
         mx.eval(feats)
-        self.encoder_runs += 1
         assert feats.shape[0] == image.n_tokens, (feats.shape, image.n_tokens)
-        self._features[image.digest] = feats
-        self._feature_bytes += feats.nbytes
-        while self._feature_bytes > FEATURE_CACHE_BYTES and len(self._features) > 1:
-            _, old = self._features.popitem(last=False)
-            self._feature_bytes -= old.nbytes
+        self.feature_cache.put(tenant, image.digest, feats)
         return feats
 
 

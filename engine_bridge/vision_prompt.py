@@ -70,6 +70,8 @@ class VisionPrompt:
     positions: np.ndarray
     # Decode positions are the cache offset plus this (negative once an image is in).
     rope_delta: int
+    # Whose request: features are cached per tenant, as blocks are.
+    tenant: str = "default"
 
 
 class PreparedCache:
@@ -106,6 +108,15 @@ class PreparedCache:
             while self._bytes > self.max_bytes and len(self._entries) > 1:
                 _, old = self._entries.popitem(last=False)
                 self._bytes -= old.pixel_values.nbytes
+
+    def stats(self) -> dict[str, int]:
+        """What /v1/cache/stats shows under `vision` (bytes are the pixel tensors held)."""
+        with self._lock:
+            return {
+                "prepared_entries": len(self._entries),
+                "prepared_bytes": self._bytes,
+                "prepared_hits": self.hits,
+            }
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,9 +316,14 @@ def rope_positions(
 
 
 def attach(
-    prompt: RenderedPrompt, images: list[ImageInput], spec: VisionSpec, limits: VisionLimits
+    prompt: RenderedPrompt,
+    images: list[ImageInput],
+    spec: VisionSpec,
+    limits: VisionLimits,
+    tenant: str = "default",
 ) -> RenderedPrompt:
     """`prompt` with its images preprocessed and their tokens in place."""
     prepared = [preprocess(image, spec, limits) for image in images]
     keyed, starts, vision = expand(prompt.tokens, prompt.message_starts, prepared, spec)
+    vision = replace(vision, tenant=tenant)
     return replace(prompt, tokens=keyed, message_starts=starts, vision=vision)

@@ -13,6 +13,7 @@ class EntryKind(StrEnum):
 
     BLOCK = "blocks"
     CHECKPOINT = "checkpoints"
+    FEATURES = "features"  # a vision encoder's output for one image (vision_features.py)
 
 
 class Reason(StrEnum):

@@ -57,6 +57,7 @@ class CacheStats:
     reserve_failures: int
     spill_errors: int
     superseded_checkpoints: int = 0  # moved to the head of the LRU queue (supersede.py)
+    charged_bytes: int = 0  # held outside the tier against its budget (vision features)
 
 
 def _payload_nbytes(payload: object) -> int:
@@ -87,6 +88,7 @@ class CacheManager:
         self._pool = BlockPool(self._lru)
         self._checkpoints = CheckpointStore(self._lru)
         self._reserved = 0
+        self._charged = 0
         self._evicted_blocks = 0
         self._evicted_checkpoints = 0
         self._evicted_bytes = 0
@@ -249,7 +251,7 @@ class CacheManager:
         with self._lock:
             stored = self._pool.nbytes + self._checkpoints.nbytes
             pinned = stored - self._lru.nbytes
-            if pinned + self._reserved + nbytes > self.budget_bytes:
+            if pinned + self._reserved + self._charged + nbytes > self.budget_bytes:
                 self._reserve_failures += 1
                 return False
             evicted = self._evict_to_budget(nbytes)
@@ -275,11 +277,30 @@ class CacheManager:
             assert 0 <= nbytes <= self._reserved, f"unreserve {nbytes} of {self._reserved} bytes"
             self._reserved -= nbytes
 
+    def charge(self, nbytes: int) -> bool:
+        """Count `nbytes` held outside the tier (a vision model's encoder output) against
+        the budget, evicting LRU entries to make room; False if pinned data leaves none.
+        Hand them back with `credit`."""
+        assert nbytes >= 0, f"charge of {nbytes} bytes"
+        with self._lock:
+            pinned = self._pool.nbytes + self._checkpoints.nbytes - self._lru.nbytes
+            if pinned + self._reserved + self._charged + nbytes > self.budget_bytes:
+                return False
+            evicted = self._evict_to_budget(nbytes)
+            self._charged += nbytes
+        self._spill(evicted)
+        return True
+
+    def credit(self, nbytes: int) -> None:
+        with self._lock:
+            assert 0 <= nbytes <= self._charged, f"credit {nbytes} of {self._charged} bytes"
+            self._charged -= nbytes
+
     def _evict_to_budget(self, incoming: int = 0) -> list[Entry]:
-        """Evict LRU entries until stored + reserved + incoming bytes fit the budget."""
+        """Evict LRU entries until stored + reserved + charged + incoming bytes fit."""
         evicted: list[Entry] = []
         while (
-            self._pool.nbytes + self._checkpoints.nbytes + self._reserved + incoming
+            self._pool.nbytes + self._checkpoints.nbytes + self._reserved + self._charged + incoming
             > self.budget_bytes
             and len(self._lru)
         ):
@@ -371,4 +392,5 @@ class CacheManager:
                 reserve_failures=self._reserve_failures,
                 spill_errors=self._spill_errors,
                 superseded_checkpoints=self._superseded,
+                charged_bytes=self._charged,
             )

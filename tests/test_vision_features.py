@@ -1,0 +1,176 @@
+"""The vision feature cache in the tiers (issue 13 item 4), on demo-vision.
+
+Encoder output is charged to the RAM tier's budget (blocks are evicted for it, and it is let
+go when the budget cannot hold it), written to the SSD store as an entry of its own kind,
+and read back, verified, by another process or once RAM has dropped it: a turn that needs
+an image's features past the cached prefix does not run the encoder again.
+"""
+
+from __future__ import annotations
+
+import io
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm")
+
+import anthropic  # noqa: E402
+import httpx  # noqa: E402
+from conftest import fresh_cache_dir, start_server  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from engine_bridge import vision  # noqa: E402
+from engine_bridge import vision_prompt as vp  # noqa: E402
+from engine_bridge.cache.hashing import Chain  # noqa: E402
+from engine_bridge.cache.index import Scope  # noqa: E402
+from engine_bridge.cache.kinds import EntryKind  # noqa: E402
+from engine_bridge.cache.manager import CacheManager  # noqa: E402
+from engine_bridge.cache.ssd import SSDConfig, SSDStore  # noqa: E402
+from engine_bridge.types import ImageInput  # noqa: E402
+from engine_bridge.vision_features import FeatureCache  # noqa: E402
+
+MODEL = "demo-vision"
+
+
+def png(seed: int, width: int = 120, height: int = 90) -> bytes:
+    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8")
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vision_root(tmp_path_factory):
+    from engine_bridge.demo import ensure_demo_model
+
+    root = tmp_path_factory.mktemp("vision-features")
+    ensure_demo_model(MODEL, root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def model(vision_root):
+    return vision.load(vision_root / "models" / MODEL)[0]
+
+
+def image(model, seed: int) -> vp.PreparedImage:
+    raw = ImageInput(png(seed), "image/png", f"img{seed}")
+    return vp.preprocess(raw, model.spec, vp.VisionLimits())
+
+
+def encode_uncached(model, img) -> mx.array:
+    model.feature_cache = FeatureCache()
+    return model.features(img)
+
+
+def test_features_count_in_the_ram_budget_and_come_back_from_ssd(model, tmp_path):
+    first, second = image(model, 1), image(model, 2)
+    want1, want2 = encode_uncached(model, first), encode_uncached(model, second)
+    size = want1.nbytes
+    assert want2.nbytes == size
+    # Room for one image's features and a little more: blocks, then older features, go.
+    ram = CacheManager(size + size // 2, block_size=4)
+    payload = np.zeros(size // 2, dtype=np.uint8)
+    ram.insert_blocks(Chain(list(range(8)), 4), {0: payload, 1: payload})
+    assert ram.stats().blocks == 2
+    ssd = SSDStore(SSDConfig(tmp_path / "ssd", reconcile="sync"))
+    cache = model.feature_cache = FeatureCache()
+    cache.bind(ram, ssd, "fp")
+    got = model.features(first, "alice")
+    stats = ram.stats()
+    assert stats.charged_bytes == size
+    assert stats.evicted_blocks >= 1 and stats.block_bytes + size <= stats.budget_bytes
+    assert model.features(first, "alice") is got and cache.stats.feature_hits_ram == 1
+    model.features(second, "alice")  # the first image's features leave RAM for these
+    assert ram.stats().charged_bytes == size and cache.snapshot().feature_entries == 1
+    assert cache.stats.encoder_runs == 2
+    assert ssd.flush()
+    assert ssd.holds(Scope("fp", "alice"), EntryKind.FEATURES, first.digest)
+    again = model.features(first, "alice")
+    assert cache.stats.encoder_runs == 2 and cache.stats.feature_hits_ssd == 1
+    assert mx.array_equal(again, want1) and again.dtype == want1.dtype
+    # Another tenant's request does not read alice's entry: scoped like blocks.
+    model.features(first, "bob")
+    assert cache.stats.encoder_runs == 3
+    # A model unloaded hands its bytes back to the budget.
+    cache.clear()
+    assert ram.stats().charged_bytes == 0
+    ssd.close()
+
+    # Another process (a new store on the same folder) reads them back, verified.
+    reopened = SSDStore(SSDConfig(tmp_path / "ssd", reconcile="sync"))
+    cache = model.feature_cache = FeatureCache()
+    cache.bind(CacheManager(1 << 30), reopened, "fp")
+    assert mx.array_equal(model.features(second, "alice"), want2)
+    assert cache.stats.encoder_runs == 0 and cache.stats.feature_hits_ssd == 1
+    reopened.close()
+
+
+def test_a_corrupt_feature_file_is_a_miss_and_the_encoder_runs(model, tmp_path):
+    img = image(model, 3)
+    want = encode_uncached(model, img)
+    ssd = SSDStore(SSDConfig(tmp_path / "ssd", reconcile="sync"))
+    cache = model.feature_cache = FeatureCache()
+    cache.bind(None, ssd, "fp")
+    model.features(img, "alice")
+    assert ssd.flush()
+    ssd.close()
+    (path,) = (tmp_path / "ssd").rglob(f"*{img.digest.hex()}*")
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    reopened = SSDStore(SSDConfig(tmp_path / "ssd", reconcile="sync"))
+    cache = model.feature_cache = FeatureCache()
+    cache.bind(None, reopened, "fp")
+    assert mx.array_equal(model.features(img, "alice"), want)
+    assert cache.stats.encoder_runs == 1 and cache.stats.feature_hits_ssd == 0
+    reopened.close()
+
+
+def test_after_a_restart_a_new_conversation_with_the_image_reads_its_features_from_ssd(
+    vision_root, tmp_path
+):
+    """The second server's prefix cache misses before the image (another system prompt),
+    so its tokens are prefilled again, from the encoder output the first server wrote."""
+    cache = fresh_cache_dir(vision_root, tmp_path / "cache")
+    args = ("--model", MODEL, "--upstream", "http://127.0.0.1:9")
+    data = __import__("base64").b64encode(png(40, 200, 150)).decode()
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+    messages = [{"role": "user", "content": [block, {"type": "text", "text": "What is it?"}]}]
+
+    def ask(server, system: str, bypass: bool = False) -> tuple[str, int]:
+        client = anthropic.Anthropic(base_url=server.url, api_key="t", max_retries=0, timeout=120)
+        headers = {"x-tenant": "features"} | ({"x-prompt-cache": "bypass"} if bypass else {})
+        raw = client.messages.with_raw_response.create(
+            model=MODEL,
+            system=system,
+            messages=messages,
+            max_tokens=12,
+            extra_body={"temperature": 0},
+            extra_headers=headers,
+        )
+        return raw.parse().content[0].text, int(raw.headers["x-prompt-cache-hit-tokens"])
+
+    def vision_stats(server) -> dict:
+        return httpx.get(f"{server.url}/v1/cache/stats", timeout=30).json()["vision"]
+
+    first = start_server(cache, *args, log_path=tmp_path / "first.log")
+    try:
+        ask(first, "You read screenshots.")
+        assert vision_stats(first)["encoder_runs"] == 1
+        assert vision_stats(first)["feature_ssd_writes"] == 1
+    finally:
+        assert first.stop() == 0
+    second = start_server(cache, *args, log_path=tmp_path / "second.log")
+    try:
+        text, hit = ask(second, "You explain what a screenshot shows, briefly.")
+        assert hit == 0
+        stats = vision_stats(second)
+        assert stats["encoder_runs"] == 0, stats
+        assert stats["feature_hits_ssd"] == 1, stats
+        assert stats["prepared_entries"] == 1 and stats["prepared_bytes"] > 0
+        assert text == ask(second, "You explain what a screenshot shows, briefly.", True)[0]
+    finally:
+        second.stop()
