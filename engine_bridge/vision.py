@@ -25,6 +25,8 @@ from .vision_prompt import SUPPORTED_TYPES, VisionPrompt, VisionSpec, available
 
 log = logging.getLogger("engine_bridge.vision")
 
+_PIXEL_DTYPES = {mx.float16: "float16", mx.bfloat16: "bfloat16"}
+
 
 def mlx_vlm_version() -> str:
     import mlx_vlm
@@ -66,6 +68,9 @@ class VisionModel:
             vision_start_token_id=int(config["vision_start_token_id"]),
             merge_size=int(config["vision_config"].get("spatial_merge_size", 2)),
             image_processor=processor.image_processor,
+            pixel_dtype=_PIXEL_DTYPES.get(
+                self.vlm.vision_tower.patch_embed.proj.weight.dtype, "float32"
+            ),
         )
         # Encoder outputs by image digest, so a later turn with the same image skips the
         # vision tower; the engine binds it to the RAM and SSD tiers.
@@ -152,8 +157,11 @@ class VisionModel:
             return hit
         tower = self.vlm.vision_tower
         dtype = tower.patch_embed.proj.weight.dtype
+        pixels = mx.array(image.pixel_values)
+        if pixels.dtype == mx.uint16:  # bfloat16 bits (vision_prompt.narrow)
+            pixels = pixels.view(mx.bfloat16)
         feats = tower(
-            mx.array(image.pixel_values).astype(dtype),
+            pixels.astype(dtype),
             mx.array([list(image.grid_thw)]),
             output_hidden_states=False,
         )

@@ -174,3 +174,45 @@ def test_after_a_restart_a_new_conversation_with_the_image_reads_its_features_fr
         assert text == ask(second, "You explain what a screenshot shows, briefly.", True)[0]
     finally:
         second.stop()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_memo_keeps_pixels_in_the_towers_dtype_and_the_features_are_the_same(
+    vision_root, dtype
+):
+    """A half-precision tower rounds the float32 pixels anyway: the memo keeps them rounded
+    (half the bytes), and the tower's output is exactly what float32 pixels give."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    loaded, config = vision.load(vision_root / "models" / MODEL)
+    loaded.vlm.vision_tower.set_dtype(getattr(mx, dtype))
+    processor = SimpleNamespace(image_processor=loaded.spec.image_processor)
+    narrow = vision.VisionModel(loaded.vlm, processor, config)
+    assert narrow.spec.pixel_dtype == dtype
+    wide_spec = replace(narrow.spec, pixel_dtype="float32", prepared=vp.PreparedCache())
+    raw = ImageInput(png(5, 200, 150), "image/png", "img")
+    wide = vp.preprocess(raw, wide_spec, vp.VisionLimits())
+    kept = vp.preprocess(raw, narrow.spec, vp.VisionLimits())
+    assert kept.digest == wide.digest
+    assert kept.pixel_values.nbytes * 2 == wide.pixel_values.nbytes
+    assert narrow.spec.prepared.stats()["prepared_bytes"] == kept.pixel_values.nbytes
+    # The rounding is MLX's own, bit for bit.
+    ref = mx.array(wide.pixel_values).astype(getattr(mx, dtype))
+    got = mx.array(kept.pixel_values)
+    got = got.view(mx.bfloat16) if dtype == "bfloat16" else got
+    assert mx.array_equal(got, ref)
+    assert mx.array_equal(narrow.features(kept), encode_uncached(narrow, wide))
+
+
+def test_the_memo_is_bounded_by_bytes_and_counted(model):
+    one = image(model, 6)
+    memo = vp.PreparedCache(max_bytes=one.pixel_values.nbytes * 2)
+    for key in (b"a", b"b", b"c"):
+        memo.put(key, one)
+    assert memo.get(b"a") is None and memo.get(b"c") is not None
+    assert memo.stats() == {
+        "prepared_entries": 2,
+        "prepared_bytes": 2 * one.pixel_values.nbytes,
+        "prepared_hits": 1,
+    }
