@@ -64,7 +64,9 @@ class Harness:
         in many machines' memory, and an idle server would still hold its threads.
         """
         cache_dir = (
-            None if kind == "mlx_lm" else servers.fresh_cache_dir(self.work, kind, self.model)
+            None
+            if kind in ("mlx_lm", "mlx_vlm")
+            else servers.fresh_cache_dir(self.work, kind, self.model)
         )
         server = self.fleet.add(
             servers.start(kind, self.model, self.logs, cache_dir, "", self.settings.proxy_args)

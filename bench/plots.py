@@ -12,7 +12,12 @@ from pathlib import Path
 from .results import ScenarioResult
 from .servers import LABELS
 
-STYLE = {"ours": ("C0", "o"), "nocache": ("C3", "s"), "mlx_lm": ("C2", "^")}
+STYLE = {
+    "ours": ("C0", "o"),
+    "nocache": ("C3", "s"),
+    "mlx_lm": ("C2", "^"),
+    "mlx_vlm": ("C4", "v"),
+}
 
 
 def plot_all(out: Path, results: list[ScenarioResult]) -> tuple[list[Path], str | None]:

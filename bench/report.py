@@ -16,7 +16,7 @@ from typing import Any
 from .results import Number, Row, ScenarioResult
 from .servers import LABELS, REPO
 
-COLUMNS = ("ours", "nocache", "mlx_lm", "bare")
+COLUMNS = ("ours", "nocache", "mlx_lm", "mlx_vlm", "bare")
 HEADERS = {**LABELS, "bare": "bare mlx-lm (in-process)"}
 
 

@@ -1,7 +1,7 @@
 """Start, stop and restart the servers a benchmark compares, each a subprocess on a free port.
 
 Three kinds: our proxy on a fresh cache dir, our proxy with `--no-cache`, and mlx_lm.server,
-the tool users run today. Logs go to the run's output folder so a failed run can be read.
+the tool users run today; and for images, mlx-vlm's own server with its prefix cache on. Logs go to the run's output folder so a failed run can be read.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from typing import Literal
 
 from . import client
 
-Kind = Literal["ours", "nocache", "mlx_lm"]
+Kind = Literal["ours", "nocache", "mlx_lm", "mlx_vlm"]
 KINDS: tuple[Kind, ...] = ("ours", "nocache", "mlx_lm")
 LABELS: dict[str, str] = {
     "ours": "mlx-prompt-cache",
     "nocache": "mlx-prompt-cache --no-cache",
     "mlx_lm": "mlx_lm.server",
+    "mlx_vlm": "mlx_vlm.server (APC on)",
 }
 READY_TIMEOUT_S = 300.0
 REPO = Path(__file__).resolve().parents[1]
@@ -134,6 +135,9 @@ def launch(
     if kind == "mlx_lm":
         cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model.path)]
         cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    elif kind == "mlx_vlm":
+        cmd = [sys.executable, "-m", "mlx_vlm.server", "--model", str(model.path)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port)]
     else:
         assert cache_dir is not None, f"{kind} needs a cache dir"
         cmd = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port)]
@@ -146,6 +150,10 @@ def launch(
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{kind}{'-' + tag if tag else ''}-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if kind == "mlx_vlm":
+        # Its automatic prefix cache (vision features by image hash included) is off by
+        # default; its disk tier goes to the run's folder, not the user's cache.
+        env |= {"APC_ENABLED": "1", "APC_DISK_PATH": str(logs / f"mlx_vlm-apc-{port}")}
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -174,7 +182,9 @@ def wait_ready(server: Server) -> None:
             time.sleep(0.1)
             continue
         server.ready_s = time.perf_counter() - launched
-        if server.kind != "mlx_lm":
+        if server.kind == "mlx_vlm":
+            server.model_name = str(server.model.path)
+        elif server.kind != "mlx_lm":
             server.model_name = (health.get("models") or [server.model.id])[0]
         return
     server.stop(signal.SIGKILL)

@@ -3,7 +3,8 @@
 Every later turn resends the image, as clients do. With the cache, turns 3..N should cost
 only their new text; without it, every turn decodes, resizes and encodes the image again and
 prefills the whole conversation. Runs on the given model when it can see, else demo-vision.
-mlx_lm.server is text-only, so it is not in this scenario; mlx-vlm's own server is not run.
+mlx_lm.server is text-only, so it is not in this scenario; mlx-vlm's own server is, with its
+automatic prefix cache on (APC_ENABLED=1), sent the same OpenAI requests.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .harness import Harness, Settings, stats
 from .results import Row, ScenarioResult, mean, ratio
 from .servers import ModelSpec
 
-KINDS = ("ours", "nocache")
+KINDS = ("ours", "nocache", "mlx_vlm")
 IMAGE_TURN = 1  # 0-based: the second user turn
 WIDTH, HEIGHT = 1920, 1080
 
@@ -99,7 +100,7 @@ def _summarize(result: ScenarioResult, turns: int) -> None:
         Row(
             f"mean TTFT of turns {IMAGE_TURN + 2}..{turns}, after the image (s)",
             after,
-            {"no-cache / ours": ratio(after["nocache"], after["ours"])},
+            _ratios(after),
         )
     )
     for t in range(turns):
@@ -108,21 +109,25 @@ def _summarize(result: ScenarioResult, turns: int) -> None:
             Row(
                 f"TTFT of turn {t + 1}{' (image)' if t == IMAGE_TURN else ''} (s)",
                 values,
-                {"no-cache / ours": ratio(values["nocache"], values["ours"])},
+                _ratios(values),
             )
         )
-    samples = [s for s in result.of("ours") if s.prompt_tokens]
-    result.rows.append(
-        Row(
-            "token hit ratio (cached / prompt tokens)",
-            {
-                "ours": ratio(
-                    sum(s.cached_tokens or 0 for s in samples),
-                    sum(s.prompt_tokens for s in samples),
-                )
-            },
+    hits = {}
+    for kind in ("ours", "mlx_vlm"):
+        samples = [s for s in result.of(kind) if s.prompt_tokens]
+        hits[kind] = ratio(
+            sum(s.cached_tokens or 0 for s in samples), sum(s.prompt_tokens for s in samples)
         )
-    )
-    ours, plain = result.of("ours"), result.of("nocache")
-    same = [a.output == b.output for a, b in zip(ours, plain, strict=False) if a.ok and b.ok]
-    result.metrics["greedy_outputs_equal_ours_vs_nocache"] = sum(same) / len(same) if same else None
+    result.rows.append(Row("token hit ratio (cached / prompt tokens)", hits))
+    for other in ("nocache", "mlx_vlm"):
+        pairs = zip(result.of("ours"), result.of(other), strict=False)
+        same = [a.output == b.output for a, b in pairs if a.ok and b.ok]
+        key = f"greedy_outputs_equal_ours_vs_{other}"
+        result.metrics[key] = sum(same) / len(same) if same else None
+
+
+def _ratios(values: dict[str, float | None]) -> dict[str, float | None]:
+    return {
+        "no-cache / ours": ratio(values["nocache"], values["ours"]),
+        "mlx_vlm.server / ours": ratio(values.get("mlx_vlm"), values["ours"]),
+    }
