@@ -104,7 +104,21 @@ class SessionAdmin:
             if fingerprint is None:
                 return Freed()  # never loaded and not on disk under any fingerprint
         freed, plan = await self._on_mlx(self.sessions.clear_ram, model, fingerprint, tenant)
+        freed.add(*await self._on_mlx(self._clear_features, fingerprint, tenant))
         return await asyncio.to_thread(self.sessions.drop_ssd, plan, freed)
+
+    def _clear_features(self, fingerprint: str | None, tenant: str | None) -> tuple[int, int]:
+        """Vision features the loaded models hold in RAM (MLX thread); those on SSD go with
+        the clear's plan, like every other entry kind of their scope."""
+        entries = nbytes = 0
+        for entry in self._entries.values():
+            loaded = entry.runner.loaded if entry.runner is not None else None
+            if loaded is None or loaded.vision is None:
+                continue
+            if fingerprint is None or loaded.fingerprint == fingerprint:
+                n, b = loaded.vision.feature_cache.clear(tenant)
+                entries, nbytes = entries + n, nbytes + b
+        return entries, nbytes
 
     async def expire_idle(self) -> int:
         """Delete sessions idle past [cache] session_ttl that are not generating."""

@@ -96,11 +96,12 @@ class FeatureCache:
             if outcome != "dropped":
                 self.stats.feature_ssd_writes += 1
 
-    def clear(self) -> None:
-        """Let every entry go, handing its bytes back to the RAM tier (a model unloaded)."""
+    def clear(self, tenant: str | None = None) -> tuple[int, int]:
+        """Let every entry (of one tenant) go, handing its bytes back to the RAM tier: a
+        model unloaded, or DELETE /v1/cache. Returns (entries, bytes)."""
         with self._lock:
-            while self._ram:
-                self._drop_oldest()
+            keys = [k for k in self._ram if tenant is None or k[0] == tenant]
+            return len(keys), sum(self._drop(k) for k in keys)
 
     def snapshot(self) -> FeatureStats:
         with self._lock:
@@ -126,7 +127,11 @@ class FeatureCache:
             self.stats.feature_bytes += nbytes
 
     def _drop_oldest(self) -> None:
-        _, old = self._ram.popitem(last=False)
+        self._drop(next(iter(self._ram)))
+
+    def _drop(self, key: tuple[str, bytes]) -> int:
+        old = self._ram.pop(key)
         self.stats.feature_bytes -= old.nbytes
         if self._tier is not None:
             self._tier.credit(old.nbytes)
+        return old.nbytes

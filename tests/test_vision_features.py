@@ -176,6 +176,37 @@ def test_after_a_restart_a_new_conversation_with_the_image_reads_its_features_fr
         second.stop()
 
 
+def test_clearing_the_cache_drops_the_features_in_ram_and_on_ssd(vision_root, tmp_path):
+    cache = fresh_cache_dir(vision_root, tmp_path / "cache")
+    server = start_server(cache, "--model", MODEL, "--upstream", "http://127.0.0.1:9")
+    data = __import__("base64").b64encode(png(40, 200, 150)).decode()
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+    client = anthropic.Anthropic(base_url=server.url, api_key="t", max_retries=0, timeout=120)
+
+    def ask(system: str) -> dict:
+        client.messages.create(
+            model=MODEL,
+            system=system,
+            messages=[{"role": "user", "content": [block, {"type": "text", "text": "Hm?"}]}],
+            max_tokens=4,
+            extra_body={"temperature": 0},
+        )
+        return httpx.get(f"{server.url}/v1/cache/stats", timeout=30).json()["vision"]
+
+    try:
+        assert ask("First.")["feature_bytes"] > 0
+        cleared = httpx.delete(f"{server.url}/v1/cache", timeout=60)
+        assert cleared.status_code == 200, cleared.text
+        stats = httpx.get(f"{server.url}/v1/cache/stats", timeout=30).json()
+        assert stats["vision"]["feature_bytes"] == 0 and stats["vision"]["feature_entries"] == 0
+        assert stats["ram"].get("charged_bytes", 0) == 0
+        # Another prompt with the same image: nothing left to read, the encoder runs again.
+        after = ask("Second.")
+        assert after["encoder_runs"] == 2 and after["feature_hits_ssd"] == 0, after
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_the_memo_keeps_pixels_in_the_towers_dtype_and_the_features_are_the_same(
     vision_root, dtype
