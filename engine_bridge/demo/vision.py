@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,26 +93,43 @@ def model_config(vocab_size: int, eos_token_id: int, token_ids: dict[str, int]) 
 
 def recipe_inputs() -> bytes:
     """Everything besides the shared corpus that a build depends on, for its digest."""
-    ids = {t: tokenizer.VOCAB_SIZE + i for i, t in enumerate(VISION_TOKENS)}
-    config = model_config(tokenizer.VOCAB_SIZE + len(VISION_TOKENS), 0, ids)
-    return (json.dumps(config, sort_keys=True) + chat_template() + _preprocessor_json()).encode()
+    return recipe_of(model_config, _preprocessor_json())
 
 
 def write_model_files(out: Path) -> None:
     """Write config, weights, tokenizer and preprocessor config of demo-vision into `out`."""
+    write_files(out, model_config, random_weights, _preprocessor_json())
+
+
+def recipe_of(make_config: Callable[..., dict[str, Any]], preprocessor: str) -> bytes:
+    """A vision demo's recipe bytes: its config over the shared tokenizer plus the vision
+    tokens, the chat template and its preprocessor config (demo-vision-hybrid uses it too)."""
+    ids = {t: tokenizer.VOCAB_SIZE + i for i, t in enumerate(VISION_TOKENS)}
+    config = make_config(tokenizer.VOCAB_SIZE + len(VISION_TOKENS), 0, ids)
+    return (json.dumps(config, sort_keys=True) + chat_template() + preprocessor).encode()
+
+
+def write_files(
+    out: Path,
+    make_config: Callable[..., dict[str, Any]],
+    make_weights: Callable[[dict[str, Any], list[int]], dict[str, np.ndarray]],
+    preprocessor: str,
+) -> None:
+    """Write a vision demo into `out`: the shared tokenizer with the vision tokens added,
+    `make_config`'s config, `make_weights`' random weights and the preprocessor config."""
     from tokenizers import AddedToken
 
     tok = tokenizer.train_tokenizer()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
     ids = {t: tok.token_to_id(t) for t in VISION_TOKENS}
     eos_id = tok.token_to_id(tokenizer.EOS_TOKEN)
-    config = model_config(tok.get_vocab_size(with_added_tokens=True), eos_id, ids)
+    config = make_config(tok.get_vocab_size(with_added_tokens=True), eos_id, ids)
     muted = sorted(tok.token_to_id(t) for t in tokenizer.SPECIAL_TOKENS + VISION_TOKENS)
-    _save(random_weights(config, muted), out / "model.safetensors")
+    _save(make_weights(config, muted), out / "model.safetensors")
     tokenizer.write_tokenizer_files(tok, out)
     _patch_tokenizer_config(out / "tokenizer_config.json", ids)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (out / "preprocessor_config.json").write_text(_preprocessor_json())
+    (out / "preprocessor_config.json").write_text(preprocessor)
 
 
 def _patch_tokenizer_config(path: Path, ids: dict[str, int]) -> None:

@@ -14,17 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from . import tokenizer
 from .vision import (
     IMAGE_PAD,
     VIDEO_PAD,
     VISION_END,
     VISION_START,
-    VISION_TOKENS,
-    _patch_tokenizer_config,
-    _save,
-    chat_template,
     random_params,
+    recipe_of,
+    write_files,
 )
 
 NAME = "demo-vision-hybrid"
@@ -96,26 +93,12 @@ def model_config(vocab_size: int, eos_token_id: int, token_ids: dict[str, int]) 
 
 def recipe_inputs() -> bytes:
     """Everything besides the shared corpus that a build depends on, for its digest."""
-    ids = {t: tokenizer.VOCAB_SIZE + i for i, t in enumerate(VISION_TOKENS)}
-    config = model_config(tokenizer.VOCAB_SIZE + len(VISION_TOKENS), 0, ids)
-    return (json.dumps(config, sort_keys=True) + chat_template() + _preprocessor_json()).encode()
+    return recipe_of(model_config, _preprocessor_json())
 
 
 def write_model_files(out: Path) -> None:
     """Write config, weights, tokenizer and preprocessor config into `out`."""
-    from tokenizers import AddedToken
-
-    tok = tokenizer.train_tokenizer()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
-    ids = {t: tok.token_to_id(t) for t in VISION_TOKENS}
-    eos_id = tok.token_to_id(tokenizer.EOS_TOKEN)
-    config = model_config(tok.get_vocab_size(with_added_tokens=True), eos_id, ids)
-    muted = sorted(tok.token_to_id(t) for t in tokenizer.SPECIAL_TOKENS + VISION_TOKENS)
-    _save(random_weights(config, muted), out / "model.safetensors")
-    tokenizer.write_tokenizer_files(tok, out)
-    _patch_tokenizer_config(out / "tokenizer_config.json", ids)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (out / "preprocessor_config.json").write_text(_preprocessor_json())
+    write_files(out, model_config, random_weights, _preprocessor_json())
 
 
 def random_weights(config: dict[str, Any], muted_token_ids: list[int]) -> dict[str, np.ndarray]:
