@@ -28,8 +28,6 @@ VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 # tokens per image keeps a screenshot cheap to encode on a CPU while still several blocks.
 PATCH = 14
 MERGE = 2
-MIN_PIXELS = (PATCH * MERGE) ** 2 * 4
-MAX_PIXELS = (PATCH * MERGE) ** 2 * 64
 
 _TEXT = {
     "hidden_size": 64,
@@ -148,16 +146,25 @@ def _patch_tokenizer_config(path: Path, ids: dict[str, int]) -> None:
 
 
 def _preprocessor_json() -> str:
+    return preprocessor_json(
+        PATCH, [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+    )
+
+
+def preprocessor_json(patch: int, mean: list[float], std: list[float]) -> str:
+    """A Qwen2-VL image processor config: `patch`-pixel patches merged 2×2, 4 to 64 merged
+    tokens per image, normalized by `mean` and `std` (demo-vision-hybrid uses it too)."""
+    merged = (patch * MERGE) ** 2
     config = {
         "image_processor_type": "Qwen2VLImageProcessor",
         "processor_class": "Qwen2VLProcessor",
-        "patch_size": PATCH,
+        "patch_size": patch,
         "temporal_patch_size": 2,
         "merge_size": MERGE,
-        "min_pixels": MIN_PIXELS,
-        "max_pixels": MAX_PIXELS,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "min_pixels": merged * 4,
+        "max_pixels": merged * 64,
+        "image_mean": mean,
+        "image_std": std,
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,

@@ -19,6 +19,7 @@ from .vision import (
     VIDEO_PAD,
     VISION_END,
     VISION_START,
+    preprocessor_json,
     random_params,
     recipe_of,
     write_files,
@@ -27,8 +28,6 @@ from .vision import (
 NAME = "demo-vision-hybrid"
 PATCH = 16
 MERGE = 2
-MIN_PIXELS = (PATCH * MERGE) ** 2 * 4
-MAX_PIXELS = (PATCH * MERGE) ** 2 * 64
 
 _TEXT = {
     "model_type": "qwen3_5_text",
@@ -110,19 +109,4 @@ def random_weights(config: dict[str, Any], muted_token_ids: list[int]) -> dict[s
 
 
 def _preprocessor_json() -> str:
-    config = {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2VLProcessor",
-        "patch_size": PATCH,
-        "temporal_patch_size": 2,
-        "merge_size": MERGE,
-        "min_pixels": MIN_PIXELS,
-        "max_pixels": MAX_PIXELS,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-    }
-    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+    return preprocessor_json(PATCH, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
