@@ -112,8 +112,10 @@ def test_a_run_of_entries_is_read_in_one_round_trip(store, redis_server):
     got = store.get_many(SCOPE, BLOCK, keys)
     after = info.info("stats")["total_reads_processed"]
     assert all(e is not None for e in got)
-    # One read event for the lookup's pipeline, one for the run's, one for INFO itself.
-    assert after - before == 3
+    # One read event for the lookup's pipeline, one for the run's, one for INFO itself;
+    # the kernel may split a pipeline's bytes into two reads, but a round trip per block
+    # would take more than 40.
+    assert 3 <= after - before <= 6, after - before
     assert redis_server.calls("getex") == 40
 
 

@@ -75,13 +75,15 @@ class Health:
                     self._delay = min(self._delay * 2, self._max)
                 self._down = True
                 self._probe_at = now + self._delay
-            warn = kind not in self._warned
-            self._warned.add(kind)
-        if warn:
-            log.warning(
-                "shared cache %s: %s (%s: %s); serving from RAM and SSD, %s",
-                self.url, _WHAT[kind], type(e).__name__, e, _THEN[kind],
-            )  # fmt: skip
+            # Warned under the lock: a thread that finds the kind already warned of must
+            # find the warning already written, or a caller could see the fault counted
+            # and no warning yet (the writer thread and a request can fail together).
+            if kind not in self._warned:
+                self._warned.add(kind)
+                log.warning(
+                    "shared cache %s: %s (%s: %s); serving from RAM and SSD, %s",
+                    self.url, _WHAT[kind], type(e).__name__, e, _THEN[kind],
+                )  # fmt: skip
 
     def succeeded(self) -> None:
         if not self._down and not (self._warned & _OUTAGES):
@@ -91,8 +93,8 @@ class Health:
             self._warned -= _OUTAGES
             self._down = False
             self._delay = self._first
-        if back:
-            log.warning("shared cache %s: reachable again after %s", self.url, ", ".join(back))
+            if back:
+                log.warning("shared cache %s: reachable again after %s", self.url, ", ".join(back))
 
 
 _OUTAGES = frozenset({"down", "timeout", "auth"})
