@@ -119,6 +119,11 @@ async def _send(engine, req) -> tuple[int, int]:
     return info.prompt_tokens, info.cached_tokens
 
 
+def _progress(line: str) -> None:
+    """A line per turn on stderr: a layer-scaled run takes hours on a CPU."""
+    print(f"wear: {line}", file=sys.stderr, flush=True)
+
+
 def _settings(cache_dir: Path, model_spec: str, policy: str | None, args) -> Any:
     from engine_bridge.engine import EngineSettings
 
@@ -189,8 +194,12 @@ def run_policy(policy: str, model_spec: str, model_id: str, root: Path, args) ->
     engine = Engine(_settings(cache_dir, model_spec, policy, args))
     started = time.perf_counter()
     prompt = 0
-    for call in session[: args.turns]:
-        prompt, _ = loop.run(_send(engine, _request(call.body, model_id, args.max_tokens)))
+    for turn, call in enumerate(session[: args.turns], 1):
+        prompt, cached = loop.run(_send(engine, _request(call.body, model_id, args.max_tokens)))
+        _progress(
+            f"{policy}: turn {turn}/{args.turns}: {prompt:,} prompt tokens, {cached:,} cached,"
+            f" {time.perf_counter() - started:.0f} s"
+        )
     ram = engine.tiers.ram.stats()
     kv_bytes, ckpt_bytes = _kv_and_checkpoint_bytes(engine)
     ram_entries = engine.tiers.ram.entries()
@@ -213,6 +222,7 @@ def run_policy(policy: str, model_spec: str, model_id: str, root: Path, args) ->
         engine.tiers.ssd.wait_reconciled(60)
         on_disk = engine.tiers.ssd.stats().bytes
         after.append(loop.run(_send(engine, _request(call.body, model_id, args.max_tokens))))
+        _progress(f"{policy}: after the restart: {after[-1][1]:,} of {after[-1][0]:,} cached")
         loop.run(engine.close())
         loop.close()
     return {
