@@ -181,7 +181,7 @@ class Engine:
                 self.scheduler.remove(runner)
             idle_for = now - runner.last_used
             if runner.loaded.vision is not None:
-                runner.loaded.vision.feature_cache.clear()  # its RAM goes back to the budget
+                runner.loaded.vision.feature_cache.unbind()  # its RAM goes back to the budget
             del runner  # the last reference: the weights go with it
             await self._on_mlx(release_memory)
             log.info("unloaded %s after %.0fs idle", model_id, idle_for)

@@ -58,8 +58,27 @@ class FeatureCache:
     def bind(self, tier: CacheManager | None, ssd: SSDStore | None, model: str) -> None:
         """Keep features within `tier`'s budget and on `ssd`, scoped by `model` (the
         model's fingerprint, as blocks are)."""
-        self.clear()
+        self.unbind()
         self._tier, self._ssd, self._model = tier, ssd, model
+        if tier is not None:
+            tier.add_reclaimer(self.reclaim)
+
+    def unbind(self) -> None:
+        """Let every entry go and leave the tiers (the model is unloaded)."""
+        self.clear()
+        if self._tier is not None:
+            self._tier.remove_reclaimer(self.reclaim)
+        self._tier = self._ssd = None
+
+    def reclaim(self, nbytes: int) -> int:
+        """Let the oldest entries go until `nbytes` are handed back to the RAM tier (the
+        memory guard shrank its budget below what pinned data and features hold); they
+        stay on SSD. Returns the bytes let go."""
+        freed = 0
+        with self._lock:
+            while self._ram and freed < nbytes:
+                freed += self._drop_oldest()
+        return freed
 
     def get(self, tenant: str, digest: bytes) -> mx.array | None:
         key = (tenant, digest)
@@ -126,8 +145,8 @@ class FeatureCache:
             self._ram[key] = feats
             self.stats.feature_bytes += nbytes
 
-    def _drop_oldest(self) -> None:
-        self._drop(next(iter(self._ram)))
+    def _drop_oldest(self) -> int:
+        return self._drop(next(iter(self._ram)))
 
     def _drop(self, key: tuple[str, bytes]) -> int:
         old = self._ram.pop(key)

@@ -108,6 +108,37 @@ def test_features_count_in_the_ram_budget_and_come_back_from_ssd(model, tmp_path
     reopened.close()
 
 
+def test_a_budget_shrunk_under_pressure_lets_features_go_to_ssd_after_the_blocks(model, tmp_path):
+    first, second = image(model, 3), image(model, 4)
+    size = encode_uncached(model, first).nbytes
+    ram = CacheManager(4 * size, block_size=4)
+    ssd = SSDStore(SSDConfig(tmp_path / "ssd", reconcile="sync"))
+    cache = model.feature_cache = FeatureCache()
+    cache.bind(ram, ssd, "fp")
+    model.features(first, "alice")
+    model.features(second, "alice")
+    payload = np.zeros(size // 2, dtype=np.uint8)
+    ram.insert_blocks(Chain(list(range(8)), 4), {0: payload, 1: payload})
+    assert ram.stats().charged_bytes == 2 * size and ram.stats().blocks == 2
+    # The memory guard's shrink: the unpinned blocks go, then the oldest features.
+    freed = ram.set_budget(size + size // 4)
+    stats = ram.stats()
+    assert stats.blocks == 0 and stats.charged_bytes == size and freed == 2 * size
+    assert cache.snapshot().feature_entries == 1 and cache.stats.feature_bytes == size
+    assert ssd.flush()
+    model.features(first, "alice")  # read back from SSD, the newer one leaving RAM for it
+    assert cache.stats.encoder_runs == 2 and cache.stats.feature_hits_ssd == 1
+    ram.set_budget(0)
+    assert ram.stats().charged_bytes == 0 and cache.snapshot().feature_entries == 0
+    # Unloaded: it leaves the tier, which no longer asks it for bytes.
+    ram.set_budget(4 * size)
+    model.features(second, "alice")
+    cache.unbind()
+    assert ram.stats().charged_bytes == 0 and cache.snapshot().feature_entries == 0
+    assert ram.set_budget(0) == 0
+    ssd.close()
+
+
 def test_a_corrupt_feature_file_is_a_miss_and_the_encoder_runs(model, tmp_path):
     img = image(model, 3)
     want = encode_uncached(model, img)

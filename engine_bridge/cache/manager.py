@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 Entry = Block | Checkpoint
 # Called with each evicted entry after the cache's lock is released (the SSD tier spills it).
 OnEvict = Callable[[Entry], None]
+# Asked to hand back up to N charged bytes (by `credit`) when a smaller budget leaves the
+# tier over it after every unpinned entry went; returns the bytes it let go.
+Reclaim = Callable[[int], int]
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,6 +92,7 @@ class CacheManager:
         self._checkpoints = CheckpointStore(self._lru)
         self._reserved = 0
         self._charged = 0
+        self._reclaimers: list[Reclaim] = []
         self._evicted_blocks = 0
         self._evicted_checkpoints = 0
         self._evicted_bytes = 0
@@ -269,8 +273,32 @@ class CacheManager:
         with self._lock:
             self.budget_bytes = budget_bytes
             evicted = self._evict_to_budget()
+            reclaimers = list(self._reclaimers)
         self._spill(evicted)
-        return sum(e.nbytes for e in evicted)
+        freed = sum(e.nbytes for e in evicted)
+        # Still over with nothing unpinned left: ask the charged bytes' holders (outside the
+        # lock: they take their own, then call `credit`).
+        for reclaim in reclaimers:
+            over = min(self._held() - budget_bytes, self._charged)
+            if over <= 0:
+                break
+            freed += reclaim(over)
+        return freed
+
+    def add_reclaimer(self, reclaim: Reclaim) -> None:
+        """Let a holder of charged bytes be asked for them when the budget shrinks."""
+        with self._lock:
+            self._reclaimers.append(reclaim)
+
+    def remove_reclaimer(self, reclaim: Reclaim) -> None:
+        with self._lock:
+            if reclaim in self._reclaimers:
+                self._reclaimers.remove(reclaim)
+
+    def _held(self) -> int:
+        with self._lock:
+            stored = self._pool.nbytes + self._checkpoints.nbytes
+            return stored + self._reserved + self._charged
 
     def unreserve(self, nbytes: int) -> None:
         with self._lock:
