@@ -26,7 +26,8 @@ class ProbeResult:
     model: str
     prompt_tokens: int
     ram_tokens: int  # restored from RAM
-    ssd_tokens: int  # read from SSD, past what RAM has
+    ssd_tokens: int  # read from this machine's SSD, past what RAM has
+    shared_tokens: int  # read from the shared store ([cache.shared]), past RAM and SSD
     recompute_tokens: int  # prefilled by the model (always at least one)
     diverged_at: int | None  # where the prompt leaves a sequence RAM holds
 
@@ -45,16 +46,20 @@ async def probe(engine: Engine, req: GenerationRequest) -> ProbeResult:
     n = len(job.prompt.tokens)
     cache = engine.model_cache(req.model) if req.use_cache else None
     if cache is None:
-        return ProbeResult(req.model, n, 0, 0, n, None)
-    hit = await engine.scheduler.run(_lookup, cache, job)
+        return ProbeResult(req.model, n, 0, 0, 0, n, None)
+    hit, local = await engine.scheduler.run(_lookup, cache, job)
     ram = hit.ram_length
-    return ProbeResult(req.model, n, ram, hit.length - ram, n - hit.length, hit.diverged_at)
+    return ProbeResult(
+        req.model, n, ram, local - ram, hit.length - local, n - hit.length, hit.diverged_at
+    )
 
 
-def _lookup(cache: ModelCache, job: Job) -> Hit:
+def _lookup(cache: ModelCache, job: Job) -> tuple[Hit, int]:
     # On the MLX thread, like a request's own lookup: it may write back entries the SSD lost.
     session = cache.session(job)
-    return cache.tiers.lookup(session.chain, session.scope, needs_checkpoint=cache.needs_checkpoint)
+    tiers = cache.tiers
+    hit = tiers.lookup(session.chain, session.scope, needs_checkpoint=cache.needs_checkpoint)
+    return hit, tiers.local_length(hit)
 
 
 async def warm(engine: Engine, req: GenerationRequest) -> WarmResult:
@@ -75,7 +80,7 @@ async def warm(engine: Engine, req: GenerationRequest) -> WarmResult:
         raise EngineError(f"model {req.model!r} has no prompt cache to warm", status=409)
     # What the cache reaches now, looked up again: stored means stored, not just prefilled.
     after = await probe(engine, replace(req, prefill_only=False))
-    reach = after.ram_tokens + after.ssd_tokens
+    reach = after.ram_tokens + after.ssd_tokens + after.shared_tokens
     return WarmResult(
         req.model,
         stream.prompt_tokens,

@@ -74,6 +74,7 @@ def schemas() -> dict[str, Schema]:
                 "prompt_tokens": _COUNT,
                 "ram_tokens": _COUNT,
                 "ssd_tokens": _COUNT,
+                "shared_tokens": _COUNT,
                 "recompute_tokens": _COUNT,
                 "diverged_at": _nullable(_COUNT),
             }

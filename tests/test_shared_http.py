@@ -70,6 +70,13 @@ def sent(url: str) -> dict:
     return s
 
 
+def probe(url: str, model: str, system: str, messages: list[dict], *, tenant: str) -> dict:
+    body = {"model": model, "messages": [{"role": "system", "content": system}, *messages]}
+    r = httpx.post(url + "/v1/cache/probe", json=body, headers={"x-tenant": tenant}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
@@ -81,8 +88,14 @@ def test_a_prompt_computed_on_a_is_served_to_b_from_shared(pair, model):
     first = ask_openai(a.url, model, system, user("Which queue?"), tenant="alice")
     assert first.source == "none"
     assert sent(a.url)["writes"] > 0
+    probed = probe(b.url, model, system, user("Which queue?"), tenant="alice")
     on_b = ask_openai(b.url, model, system, user("Which queue?"), tenant="alice")
     assert on_b.source == "shared" and on_b.cached > 0
+    # The probe told, before the request, what the shared store (not B's SSD) would give.
+    assert (probed["ssd_tokens"], probed["shared_tokens"]) == (
+        0,
+        on_b.cached - probed["ram_tokens"],
+    )
     if model == LLAMA:  # blocks alone: all but the last partial block and token
         assert on_b.cached >= first.prompt_tokens - 64
     bypass = ask_openai(b.url, model, system, user("Which queue?"), tenant="alice", bypass=True)

@@ -150,25 +150,41 @@ class TieredCache:
             ssd = self._plan(chain, scope, needs_checkpoint, ram.length, len(chain) - 1)
         return Hit(chain, scope, needs_checkpoint, ram, ssd, diverged)
 
+    def local_length(self, hit: Hit) -> int:
+        """How far RAM and this machine's SSD reach without the shared store: where a
+        probe's SSD tokens end and its shared ones begin."""
+        if self.shared is None or hit.ssd is None:
+            return hit.length
+        chain, last = hit.chain, len(hit.chain) - 1
+        plan = self._plan(chain, hit.scope, hit.needs_checkpoint, hit.ram_length, last, False)
+        return plan.length if plan is not None else hit.ram_length
+
     def _plan(
-        self, chain: Chain, scope: Scope, snapshots: bool, ram_length: int, reach: int
+        self,
+        chain: Chain,
+        scope: Scope,
+        snapshots: bool,
+        ram_length: int,
+        reach: int,
+        shared: bool = True,
     ) -> SSDPlan | None:
-        """The deepest position up to `reach` that RAM and SSD restore together, past RAM's."""
+        """The deepest position up to `reach` that RAM and SSD (and the shared store, unless
+        `shared` is False) restore together, past RAM's."""
         bs = chain.block_size
         last = len(chain) - 1  # always leave one token to prefill
         # Count full blocks of this chain only: a paged hit that ends mid-block may end in a
         # sibling's block, which is not on the request's chain.
-        usable = self._present_blocks(chain, scope, ram_length // bs)
+        usable = self._present_blocks(chain, scope, ram_length // bs, shared)
         reach = min(reach, last, usable * bs + bs - 1)  # a checkpoint can sit mid-block
         if snapshots:
-            checkpoint = self._find_checkpoint(chain, scope, ram_length, reach)
+            checkpoint = self._find_checkpoint(chain, scope, ram_length, reach, shared)
             if checkpoint is None:
                 return None
             target = checkpoint
         else:
             # Paged layers restore from blocks alone; a checkpoint only adds its partial tail.
             base = min(usable * bs, reach)
-            checkpoint = self._find_checkpoint(chain, scope, max(ram_length, base), reach)
+            checkpoint = self._find_checkpoint(chain, scope, max(ram_length, base), reach, shared)
             target = checkpoint if checkpoint is not None else base
         if target <= ram_length:
             return None
@@ -177,7 +193,7 @@ class TieredCache:
         missing = tuple(i for i, present in enumerate(in_ram) if not present)
         return SSDPlan(target, missing, checkpoint)
 
-    def _present_blocks(self, chain: Chain, scope: Scope, start: int) -> int:
+    def _present_blocks(self, chain: Chain, scope: Scope, start: int, shared: bool = True) -> int:
         """How many leading blocks of the chain are in RAM or on disk; [0, start) are in RAM.
 
         Both count: a hot prefix stays in RAM and is never spilled (so it is not on disk
@@ -194,15 +210,17 @@ class TieredCache:
                     break
                 i += 1
             step *= 2
-        if self.shared is not None and i < len(chain.hashes):
+        if shared and self.shared is not None and i < len(chain.hashes):
             rest = chain.hashes[i:]  # what RAM and the SSD lack: the shared store
             i += self.shared.present_blocks(scope, rest, self.ram.has_blocks(rest))
         return i
 
-    def _find_checkpoint(self, chain: Chain, scope: Scope, lo: int, hi: int) -> int | None:
+    def _find_checkpoint(
+        self, chain: Chain, scope: Scope, lo: int, hi: int, shared: bool = True
+    ) -> int | None:
         """The deepest position in (lo, hi] with a checkpoint below RAM for this chain."""
         found = self._find_on_ssd(chain, scope, lo, hi) if self.ssd is not None else None
-        if self.shared is not None:
+        if shared and self.shared is not None:
             deeper = self.shared.deepest_checkpoint(chain, scope, found or lo, hi)
             found = deeper if deeper is not None else found
         return found
