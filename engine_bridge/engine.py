@@ -147,7 +147,8 @@ class Engine:
                 loaded = await self._on_mlx(models.load, entry.ref)
                 if loaded.vision is not None and self.settings.cache_enabled:
                     ram, ssd = self.tiers.ram, self.tiers.ssd
-                    loaded.vision.feature_cache.bind(ram, ssd, loaded.fingerprint)
+                    features = loaded.vision.feature_cache
+                    features.bind(ram, ssd, loaded.fingerprint, self.tiers.shared)
                 entry.runner = Runner(
                     loaded,
                     self.scheduler,

@@ -23,6 +23,8 @@ import mlx.core as mx
 from .cache.index import Scope
 from .cache.kinds import EntryKind
 from .cache.manager import CacheManager
+from .cache.shared_config import SharedWritePolicy
+from .cache.shared_tier import SharedTier
 from .cache.ssd import SSDStore
 from .kv.host import PayloadFormatError, tensor_from_host, tensor_to_host
 
@@ -38,7 +40,9 @@ class FeatureStats:
     encoder_runs: int = 0  # images the vision tower encoded (misses in every tier)
     feature_hits_ram: int = 0
     feature_hits_ssd: int = 0
+    feature_hits_shared: int = 0  # read from the shared store ([cache.shared])
     feature_ssd_writes: int = 0  # entries queued to the SSD writer
+    feature_shared_writes: int = 0  # entries queued to the shared store's writer
     feature_entries: int = 0  # in RAM now
     feature_bytes: int = 0  # in RAM now, charged to the RAM tier when it is bound
 
@@ -52,14 +56,22 @@ class FeatureCache:
         self._lock = threading.Lock()
         self._tier: CacheManager | None = None
         self._ssd: SSDStore | None = None
+        self._shared: SharedTier | None = None
+        self._sent: set[tuple[str, bytes]] = set()  # entries in RAM the store was sent
         self._model = ""
         self.stats = FeatureStats()
 
-    def bind(self, tier: CacheManager | None, ssd: SSDStore | None, model: str) -> None:
-        """Keep features within `tier`'s budget and on `ssd`, scoped by `model` (the
-        model's fingerprint, as blocks are)."""
+    def bind(
+        self,
+        tier: CacheManager | None,
+        ssd: SSDStore | None,
+        model: str,
+        shared: SharedTier | None = None,
+    ) -> None:
+        """Keep features within `tier`'s budget, on `ssd` and in the `shared` store, scoped
+        by `model` (the model's fingerprint, as blocks are)."""
         self.unbind()
-        self._tier, self._ssd, self._model = tier, ssd, model
+        self._tier, self._ssd, self._model, self._shared = tier, ssd, model, shared
         if tier is not None:
             tier.add_reclaimer(self.reclaim)
 
@@ -68,7 +80,7 @@ class FeatureCache:
         self.clear()
         if self._tier is not None:
             self._tier.remove_reclaimer(self.reclaim)
-        self._tier = self._ssd = None
+        self._tier = self._ssd = self._shared = None
 
     def reclaim(self, nbytes: int) -> int:
         """Let the oldest entries go until `nbytes` are handed back to the RAM tier (the
@@ -81,39 +93,73 @@ class FeatureCache:
         return freed
 
     def get(self, tenant: str, digest: bytes) -> mx.array | None:
+        """RAM, then SSD, then the shared store; None when the encoder must run."""
         key = (tenant, digest)
         with self._lock:
             hit = self._ram.get(key)
             if hit is not None:
                 self._ram.move_to_end(key)
                 self.stats.feature_hits_ram += 1
-                return hit
-        if self._ssd is None:
+        if hit is not None:
+            self._reused(key, hit)
+            return hit
+        if self._ssd is None and self._shared is None:
             return None
-        entry = self._ssd.get(Scope.of(self._model, tenant), EntryKind.FEATURES, digest)
-        if entry is None or _TENSOR not in entry.tensors:
+        scope = Scope.of(self._model, tenant)
+        entry = None if self._ssd is None else self._ssd.get(scope, EntryKind.FEATURES, digest)
+        if entry is not None and (feats := _features_of(entry.tensors, digest)) is not None:
+            self.stats.feature_hits_ssd += 1
+            self._keep(key, feats)
+            self._reused(key, feats)
+            return feats
+        if self._shared is None:
             return None
-        try:
-            feats = tensor_from_host(entry.tensors[_TENSOR])
-        except PayloadFormatError:
-            log.warning("unreadable feature entry %s; encoding again", digest.hex()[:12])
+        # Verified like an SSD read; the run's RAM is charged by _keep, not reserved here.
+        fetched = self._shared.fetch(
+            scope, EntryKind.FEATURES, [digest], reserve=lambda n: True, release=lambda n: None
+        )
+        entry = fetched.get(digest)
+        if entry is None or (feats := _features_of(entry.tensors, digest)) is None:
             return None
-        self.stats.feature_hits_ssd += 1
+        self.stats.feature_hits_shared += 1
         self._keep(key, feats)
+        self._sent.add(key)
+        if self._ssd is not None:  # this machine keeps its own copy for a restart
+            self._ssd.put(scope, EntryKind.FEATURES, digest, entry.tensors, tokens=len(feats))
         return feats
 
     def put(self, tenant: str, digest: bytes, feats: mx.array) -> None:
         """A fresh encoder output: keep it in RAM and queue it to the SSD writer."""
         self.stats.encoder_runs += 1
         self._keep((tenant, digest), feats)
+        if self._ssd is None and self._shared is None:
+            return
+        host = {_TENSOR: tensor_to_host(feats)}
+        scope = Scope.of(self._model, tenant)
         if self._ssd is not None:
-            host = {_TENSOR: tensor_to_host(feats)}
-            scope = Scope.of(self._model, tenant)
-            outcome = self._ssd.put(
-                scope, EntryKind.FEATURES, digest, host, tokens=int(feats.shape[0])
-            )
+            outcome = self._ssd.put(scope, EntryKind.FEATURES, digest, host, tokens=len(feats))
             if outcome != "dropped":
                 self.stats.feature_ssd_writes += 1
+        if self._shared is not None and self._shared.policy is not SharedWritePolicy.SECOND_USE:
+            self._share((tenant, digest), scope, host, len(feats))
+
+    def _reused(self, key: tuple[str, bytes], feats: mx.array) -> None:
+        """Features read again: under the second-use policy, now they go to the shared
+        store, once while RAM holds them (its writer skips what the store already has)."""
+        shared = self._shared
+        if shared is None or shared.policy is not SharedWritePolicy.SECOND_USE:
+            return
+        if key not in self._sent:
+            scope = Scope.of(self._model, key[0])
+            self._share(key, scope, {_TENSOR: tensor_to_host(feats)}, len(feats))
+
+    def _share(self, key: tuple[str, bytes], scope: Scope, host: dict, tokens: int) -> None:
+        assert self._shared is not None
+        outcome = self._shared.store.put(scope, EntryKind.FEATURES, key[1], host, {}, tokens=tokens)
+        if outcome == "queued":
+            self.stats.feature_shared_writes += 1
+        if outcome in ("queued", "duplicate"):
+            self._sent.add(key)
 
     def clear(self, tenant: str | None = None) -> tuple[int, int]:
         """Let every entry (of one tenant) go, handing its bytes back to the RAM tier: a
@@ -150,7 +196,19 @@ class FeatureCache:
 
     def _drop(self, key: tuple[str, bytes]) -> int:
         old = self._ram.pop(key)
+        self._sent.discard(key)
         self.stats.feature_bytes -= old.nbytes
         if self._tier is not None:
             self._tier.credit(old.nbytes)
         return old.nbytes
+
+
+def _features_of(tensors: dict, digest: bytes) -> mx.array | None:
+    """An entry's features, or None (with a warning) when its payload does not decode."""
+    if _TENSOR not in tensors:
+        return None
+    try:
+        return tensor_from_host(tensors[_TENSOR])
+    except PayloadFormatError:
+        log.warning("unreadable feature entry %s; encoding again", digest.hex()[:12])
+        return None

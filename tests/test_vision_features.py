@@ -27,9 +27,13 @@ from engine_bridge.cache.hashing import Chain  # noqa: E402
 from engine_bridge.cache.index import Scope  # noqa: E402
 from engine_bridge.cache.kinds import EntryKind  # noqa: E402
 from engine_bridge.cache.manager import CacheManager  # noqa: E402
+from engine_bridge.cache.shared_config import SharedConfig, SharedWritePolicy  # noqa: E402
+from engine_bridge.cache.shared_store import SharedStore  # noqa: E402
+from engine_bridge.cache.shared_tier import SharedTier  # noqa: E402
 from engine_bridge.cache.ssd import SSDConfig, SSDStore  # noqa: E402
 from engine_bridge.types import ImageInput  # noqa: E402
 from engine_bridge.vision_features import FeatureCache  # noqa: E402
+from tests.redis_helpers import redis_server_fixture  # noqa: E402, F401
 
 MODEL = "demo-vision"
 
@@ -139,6 +143,61 @@ def test_a_budget_shrunk_under_pressure_lets_features_go_to_ssd_after_the_blocks
     ssd.close()
 
 
+class Machine:
+    """One proxy's feature cache: its own RAM tier and SSD folder, the shared store."""
+
+    def __init__(self, tmp_path, name: str, url: str, policy: SharedWritePolicy) -> None:
+        self.store = SharedStore(SharedConfig(url=url, write_policy=policy, timeout_s=2.0))
+        self.ssd = SSDStore(SSDConfig(tmp_path / name, reconcile="sync"))
+        self.cache = FeatureCache()
+        self.cache.bind(CacheManager(1 << 30), self.ssd, "fp", SharedTier(self.store))
+
+    def close(self) -> None:
+        self.ssd.close()
+        self.store.close()
+
+
+@pytest.mark.parametrize("policy", [SharedWritePolicy.ALL, SharedWritePolicy.SECOND_USE])
+def test_features_encoded_on_one_machine_are_read_on_another_from_the_shared_store(
+    model, tmp_path, redis_server, policy
+):
+    img = image(model, 5)
+    want = encode_uncached(model, img)
+    a, b, c = (Machine(tmp_path, name, redis_server.url, policy) for name in "abc")
+    try:
+        model.feature_cache = a.cache
+        model.features(img, "alice")
+        assert a.store.flush(10)
+        if policy is SharedWritePolicy.SECOND_USE:  # sent when read again, once
+            assert a.cache.stats.feature_shared_writes == 0
+            model.features(img, "alice")
+            model.features(img, "alice")
+            assert a.store.flush(10)
+        assert a.cache.stats.feature_shared_writes == 1
+        model.feature_cache = b.cache
+        got = model.features(img, "alice")
+        stats = b.cache.stats
+        assert (stats.encoder_runs, stats.feature_hits_shared) == (0, 1)
+        assert mx.array_equal(got, want) and got.dtype == want.dtype
+        # B keeps a copy on its own SSD, for its restarts.
+        assert b.ssd.flush() and b.ssd.holds(Scope("fp", "alice"), EntryKind.FEATURES, img.digest)
+        model.features(img, "bob")  # alice's entry is not bob's, on any machine
+        assert b.cache.stats.encoder_runs == 1
+        # A corrupt value in the store is a miss: the encoder runs, the answer is its own.
+        client = redis_server.client()
+        for name in client.keys("mlx-prompt-cache:fp:alice:f:*"):
+            value = bytearray(client.get(name))
+            value[-1] ^= 0x01
+            client.set(name, bytes(value))
+        model.feature_cache = c.cache
+        assert mx.array_equal(model.features(img, "alice"), want)
+        assert (c.cache.stats.encoder_runs, c.cache.stats.feature_hits_shared) == (1, 0)
+        assert c.store.stats().errors["corrupt"] == 1
+    finally:
+        for m in (a, b, c):
+            m.close()
+
+
 def test_a_corrupt_feature_file_is_a_miss_and_the_encoder_runs(model, tmp_path):
     img = image(model, 3)
     want = encode_uncached(model, img)
@@ -160,12 +219,21 @@ def test_a_corrupt_feature_file_is_a_miss_and_the_encoder_runs(model, tmp_path):
     reopened.close()
 
 
-def test_after_a_restart_a_new_conversation_with_the_image_reads_its_features_from_ssd(
-    vision_root, tmp_path
+@pytest.mark.parametrize("source", ["ssd", "shared"])
+def test_a_new_conversation_with_the_image_reads_its_features_not_the_encoder(
+    vision_root, tmp_path, request, source
 ):
-    """The second server's prefix cache misses before the image (another system prompt),
-    so its tokens are prefilled again, from the encoder output the first server wrote."""
+    """The second server (the first restarted on its folder, or another machine on its own
+    folder sharing a Redis) misses its prefix before the image (another system prompt), so
+    its tokens are prefilled again, from the encoder output the first server stored."""
     cache = fresh_cache_dir(vision_root, tmp_path / "cache")
+    other, env = cache, {}
+    if source == "shared":
+        other = fresh_cache_dir(vision_root, tmp_path / "cache-b")
+        env = {
+            "MLX_PROMPT_CACHE_CACHE_SHARED_URL": request.getfixturevalue("redis_server").url,
+            "MLX_PROMPT_CACHE_CACHE_SHARED_WRITE_POLICY": "all",
+        }
     args = ("--model", MODEL, "--upstream", "http://127.0.0.1:9")
     data = __import__("base64").b64encode(png(40, 200, 150)).decode()
     block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
@@ -187,20 +255,20 @@ def test_after_a_restart_a_new_conversation_with_the_image_reads_its_features_fr
     def vision_stats(server) -> dict:
         return httpx.get(f"{server.url}/v1/cache/stats", timeout=30).json()["vision"]
 
-    first = start_server(cache, *args, log_path=tmp_path / "first.log")
+    first = start_server(cache, *args, env=env, log_path=tmp_path / "first.log")
     try:
         ask(first, "You read screenshots.")
         assert vision_stats(first)["encoder_runs"] == 1
-        assert vision_stats(first)["feature_ssd_writes"] == 1
+        assert vision_stats(first)[f"feature_{source}_writes"] == 1
     finally:
-        assert first.stop() == 0
-    second = start_server(cache, *args, log_path=tmp_path / "second.log")
+        assert first.stop() == 0  # drains its SSD and shared-store writers
+    second = start_server(other, *args, env=env, log_path=tmp_path / "second.log")
     try:
         text, hit = ask(second, "You explain what a screenshot shows, briefly.")
         assert hit == 0
         stats = vision_stats(second)
         assert stats["encoder_runs"] == 0, stats
-        assert stats["feature_hits_ssd"] == 1, stats
+        assert stats[f"feature_hits_{source}"] == 1, stats
         assert stats["prepared_entries"] == 1 and stats["prepared_bytes"] > 0
         assert text == ask(second, "You explain what a screenshot shows, briefly.", True)[0]
     finally:

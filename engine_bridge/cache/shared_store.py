@@ -98,6 +98,9 @@ class _Job:
     skip: Callable[[], bool] | None
 
 
+_KIND_TAGS = {EntryKind.BLOCK: "b", EntryKind.CHECKPOINT: "c", EntryKind.FEATURES: "f"}
+
+
 class SharedStore:
     """One Redis/Valkey connection pool: pipelined reads, a bounded background writer."""
 
@@ -127,7 +130,7 @@ class SharedStore:
 
     def key(self, scope: Scope, kind: EntryKind, key: bytes) -> str:
         # Scope names are plain ([A-Za-z0-9._-]), so ':' separates fields unambiguously.
-        kind_tag = "b" if kind is EntryKind.BLOCK else "c"
+        kind_tag = _KIND_TAGS[kind]
         return f"{self.config.namespace}:{scope.model}:{scope.tenant}:{kind_tag}:{key.hex()}"
 
     # ---- reads (the caller's thread) ------------------------------------------------
