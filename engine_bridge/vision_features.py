@@ -123,13 +123,14 @@ class FeatureCache:
             return None
         self.stats.feature_hits_shared += 1
         self._keep(key, feats)
-        self._sent.add(key)
+        self._mark_sent(key)
         if self._ssd is not None:  # this machine keeps its own copy for a restart
             self._ssd.put(scope, EntryKind.FEATURES, digest, entry.tensors, tokens=len(feats))
         return feats
 
     def put(self, tenant: str, digest: bytes, feats: mx.array) -> None:
-        """A fresh encoder output: keep it in RAM and queue it to the SSD writer."""
+        """A fresh encoder output: keep it in RAM and queue it to the SSD writer and, by its
+        write policy, the shared store's."""
         self.stats.encoder_runs += 1
         self._keep((tenant, digest), feats)
         if self._ssd is None and self._shared is None:
@@ -159,7 +160,13 @@ class FeatureCache:
         if outcome == "queued":
             self.stats.feature_shared_writes += 1
         if outcome in ("queued", "duplicate"):
-            self._sent.add(key)
+            self._mark_sent(key)
+
+    def _mark_sent(self, key: tuple[str, bytes]) -> None:
+        """Remember the store has `key` while RAM holds it (forgotten with the entry)."""
+        with self._lock:
+            if key in self._ram:
+                self._sent.add(key)
 
     def clear(self, tenant: str | None = None) -> tuple[int, int]:
         """Let every entry (of one tenant) go, handing its bytes back to the RAM tier: a
