@@ -25,17 +25,17 @@ import sys
 log = logging.getLogger(__name__)
 
 
-def _malloc_trim():
+def _glibc(name: str, argtypes: list, restype):
+    """One of the C library's malloc functions, or None where it has none (not Linux, or
+    not glibc: musl has no malloc_trim, and mallinfo2 needs glibc 2.33)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim  # glibc only; musl has none
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -48,20 +48,9 @@ class _Mallinfo2(ctypes.Structure):
     ]  # fmt: skip
 
 
-def _mallinfo2():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        info = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2  # glibc 2.33+
-    except (OSError, AttributeError):
-        return None
-    info.argtypes = []
-    info.restype = _Mallinfo2
-    return info
-
-
-_TRIM = _malloc_trim()
-_INFO = _mallinfo2()
+_TRIM = _glibc("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
+_INFO = _glibc("mallinfo2", [], _Mallinfo2)
+_MALLOPT = _glibc("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value, kept from moving up
 
@@ -69,15 +58,9 @@ MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value, kept from moving up
 def tune() -> bool:
     """Fix glibc's mmap threshold at 128 KiB (see above), unless the environment sets it
     (MALLOC_MMAP_THRESHOLD_); False where there is nothing to do."""
-    if _TRIM is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    if _TRIM is None or _MALLOPT is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False  # no malloc_trim: not glibc (musl's mallopt does nothing)
+    return bool(_MALLOPT(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
 def trim() -> bool:
