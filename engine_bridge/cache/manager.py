@@ -253,12 +253,10 @@ class CacheManager:
         """
         assert nbytes >= 0, f"reserve of {nbytes} bytes"
         with self._lock:
-            stored = self._pool.nbytes + self._checkpoints.nbytes
-            pinned = stored - self._lru.nbytes
-            if pinned + self._reserved + self._charged + nbytes > self.budget_bytes:
+            evicted = self._make_room(nbytes)
+            if evicted is None:
                 self._reserve_failures += 1
                 return False
-            evicted = self._evict_to_budget(nbytes)
             self._reserved += nbytes
         self._spill(evicted)
         return True
@@ -279,7 +277,8 @@ class CacheManager:
         # Still over with nothing unpinned left: ask the charged bytes' holders (outside the
         # lock: they take their own, then call `credit`).
         for reclaim in reclaimers:
-            over = min(self._held() - budget_bytes, self._charged)
+            with self._lock:
+                over = min(self._held() - budget_bytes, self._charged)
             if over <= 0:
                 break
             freed += reclaim(over)
@@ -295,11 +294,6 @@ class CacheManager:
             if reclaim in self._reclaimers:
                 self._reclaimers.remove(reclaim)
 
-    def _held(self) -> int:
-        with self._lock:
-            stored = self._pool.nbytes + self._checkpoints.nbytes
-            return stored + self._reserved + self._charged
-
     def unreserve(self, nbytes: int) -> None:
         with self._lock:
             assert 0 <= nbytes <= self._reserved, f"unreserve {nbytes} of {self._reserved} bytes"
@@ -311,10 +305,9 @@ class CacheManager:
         Hand them back with `credit`."""
         assert nbytes >= 0, f"charge of {nbytes} bytes"
         with self._lock:
-            pinned = self._pool.nbytes + self._checkpoints.nbytes - self._lru.nbytes
-            if pinned + self._reserved + self._charged + nbytes > self.budget_bytes:
+            evicted = self._make_room(nbytes)
+            if evicted is None:
                 return False
-            evicted = self._evict_to_budget(nbytes)
             self._charged += nbytes
         self._spill(evicted)
         return True
@@ -324,14 +317,22 @@ class CacheManager:
             assert 0 <= nbytes <= self._charged, f"credit {nbytes} of {self._charged} bytes"
             self._charged -= nbytes
 
+    def _held(self) -> int:
+        """Bytes counted against the budget: stored, reserved and charged (lock held)."""
+        stored = self._pool.nbytes + self._checkpoints.nbytes
+        return stored + self._reserved + self._charged
+
+    def _make_room(self, nbytes: int) -> list[Entry] | None:
+        """Evict for `nbytes` more (lock held): the entries evicted, or None (nothing
+        evicted) when what is pinned, reserved and charged leaves no room."""
+        if self._held() - self._lru.nbytes + nbytes > self.budget_bytes:
+            return None
+        return self._evict_to_budget(nbytes)
+
     def _evict_to_budget(self, incoming: int = 0) -> list[Entry]:
         """Evict LRU entries until stored + reserved + charged + incoming bytes fit."""
         evicted: list[Entry] = []
-        while (
-            self._pool.nbytes + self._checkpoints.nbytes + self._reserved + self._charged + incoming
-            > self.budget_bytes
-            and len(self._lru)
-        ):
+        while self._held() + incoming > self.budget_bytes and len(self._lru):
             entry = self._lru.popleft()
             self._forget(entry)
             if entry.kind is EntryKind.BLOCK:
