@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -124,8 +125,7 @@ class FeatureCache:
         self.stats.feature_hits_shared += 1
         self._keep(key, feats)
         self._mark_sent(key)
-        if self._ssd is not None:  # this machine keeps its own copy for a restart
-            self._ssd.put(scope, EntryKind.FEATURES, digest, entry.tensors, tokens=len(feats))
+        self._write_ssd(scope, digest, entry.tensors, len(feats))  # a copy for a restart
         return feats
 
     def put(self, tenant: str, digest: bytes, feats: mx.array) -> None:
@@ -137,12 +137,15 @@ class FeatureCache:
             return
         host = {_TENSOR: tensor_to_host(feats)}
         scope = Scope.of(self._model, tenant)
-        if self._ssd is not None:
-            outcome = self._ssd.put(scope, EntryKind.FEATURES, digest, host, tokens=len(feats))
-            if outcome != "dropped":
-                self.stats.feature_ssd_writes += 1
+        self._write_ssd(scope, digest, host, len(feats))
         if self._shared is not None and self._shared.policy is not SharedWritePolicy.SECOND_USE:
             self._share((tenant, digest), scope, host, len(feats))
+
+    def _write_ssd(self, scope: Scope, digest: bytes, host: Mapping, tokens: int) -> None:
+        if self._ssd is None:
+            return
+        if self._ssd.put(scope, EntryKind.FEATURES, digest, host, tokens=tokens) != "dropped":
+            self.stats.feature_ssd_writes += 1
 
     def _reused(self, key: tuple[str, bytes], feats: mx.array) -> None:
         """Features read again: under the second-use policy, now they go to the shared
@@ -154,7 +157,7 @@ class FeatureCache:
             scope = Scope.of(self._model, key[0])
             self._share(key, scope, {_TENSOR: tensor_to_host(feats)}, len(feats))
 
-    def _share(self, key: tuple[str, bytes], scope: Scope, host: dict, tokens: int) -> None:
+    def _share(self, key: tuple[str, bytes], scope: Scope, host: Mapping, tokens: int) -> None:
         assert self._shared is not None
         outcome = self._shared.store.put(scope, EntryKind.FEATURES, key[1], host, {}, tokens=tokens)
         if outcome == "queued":
