@@ -53,6 +53,10 @@ class ModelEntry:
     runner: Runner | None = None
     loading: asyncio.Lock = field(default_factory=asyncio.Lock)
 
+    @property
+    def loaded(self) -> models.LoadedModel | None:
+        return self.runner.loaded if self.runner is not None else None
+
 
 class Engine:
     def __init__(self, settings: EngineSettings):
@@ -136,7 +140,7 @@ class Engine:
 
     def loaded(self, model_id: str) -> models.LoadedModel | None:
         entry = self._entries.get(model_id)
-        return entry.runner.loaded if entry and entry.runner else None
+        return entry.loaded if entry is not None else None
 
     async def runner(self, model_id: str) -> Runner:
         entry = self._entries.get(model_id)
@@ -309,7 +313,7 @@ class Engine:
         entry = self._entries.get(model_id)
         if entry is None:
             raise EngineError(f"model {model_id!r} is not served here", field="model", status=404)
-        loaded = entry.runner.loaded if entry.runner else None
+        loaded = entry.loaded
         if loaded is None:
             return ModelInfo(model_id, loaded=False)
         return ModelInfo(
@@ -371,7 +375,7 @@ class Engine:
         """Feature and preprocessing caches, summed over the loaded models that see."""
         total: dict[str, int] = {}
         for entry in self._entries.values():
-            seeing = entry.runner.loaded.vision if entry.runner else None
+            seeing = entry.loaded.vision if entry.loaded is not None else None
             if seeing is None:
                 continue
             counts = asdict(seeing.feature_cache.snapshot()) | seeing.spec.prepared.stats()

@@ -112,7 +112,7 @@ class SessionAdmin:
         the clear's plan, like every other entry kind of their scope."""
         entries = nbytes = 0
         for entry in self._entries.values():
-            loaded = entry.runner.loaded if entry.runner is not None else None
+            loaded = entry.loaded
             if loaded is None or loaded.vision is None:
                 continue
             if fingerprint is None or loaded.fingerprint == fingerprint:
