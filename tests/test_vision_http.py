@@ -77,11 +77,16 @@ class Chat:
 
     def __init__(self, server, tokenizer, model: str = MODEL):
         self.model = model
+        self.connect(server)
+        self.tokenizer = tokenizer
+        self.tenant = f"vision-{next(_tenants)}"
+        self.source = ""  # x-prompt-cache-source of the last answer
+
+    def connect(self, server) -> None:
+        """Talk to `server` from now on (a restarted one), as the same tenant."""
         self.client = anthropic.Anthropic(
             base_url=server.url, api_key="test", max_retries=0, timeout=120
         )
-        self.tokenizer = tokenizer
-        self.tenant = f"vision-{next(_tenants)}"
 
     def ask(
         self, messages: list[dict], bypass: bool = False, max_tokens: int = 12
@@ -98,6 +103,7 @@ class Chat:
             extra_headers=headers,
         )
         msg = raw.parse()
+        self.source = raw.headers["x-prompt-cache-source"]
         prompt = msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
         prompt += msg.usage.cache_creation_input_tokens or 0
         return msg.content[0].text, int(raw.headers["x-prompt-cache-hit-tokens"]), prompt
@@ -368,14 +374,16 @@ def test_the_served_answer_is_mlx_vlms_own_greedy_generation(server, tokenizer, 
     assert served == tokenizer.decode(out)
 
 
-def test_a_restarted_server_resumes_past_the_image_from_ssd(vision_root, tokenizer, tmp_path):
-    """Image keys are content hashes, the same in every process: SSD blocks still match."""
-    cache = fresh_cache_dir(vision_root, tmp_path / "cache")
-    args = ("--model", MODEL, "--upstream", "http://127.0.0.1:9")
+def turn_two_after_a_restart(root, tokenizer, tmp_path, model: str = MODEL):
+    """Turn 1 with an image on one server, turn 2 on another started over the same folder;
+    turn 2 must come from SSD and equal bypass. Returns the chat, turn 1, turn 1's prompt
+    tokens and turn 2's hit tokens."""
+    cache = fresh_cache_dir(root, tmp_path / "cache")
+    args = ("--model", model, "--upstream", "http://127.0.0.1:9")
     turn1 = [{"role": "user", "content": [image_block(30), {"type": "text", "text": "What now?"}]}]
     first = start_server(cache, *args, log_path=tmp_path / "first.log")
     try:
-        chat = Chat(first, tokenizer)
+        chat = Chat(first, tokenizer, model)
         answer, _, prompt1 = chat.ask(turn1)
     finally:
         assert first.stop() == 0
@@ -385,18 +393,16 @@ def test_a_restarted_server_resumes_past_the_image_from_ssd(vision_root, tokeniz
     ]
     second = start_server(cache, *args, log_path=tmp_path / "second.log")
     try:
-        client = anthropic.Anthropic(base_url=second.url, api_key="test", max_retries=0)
-        raw = client.messages.with_raw_response.create(
-            model=MODEL,
-            system=SYSTEM,
-            messages=turn2,
-            max_tokens=12,
-            extra_body={"temperature": 0},
-            extra_headers={"x-tenant": chat.tenant},
-        )
-        assert raw.headers["x-prompt-cache-source"] == "ssd"
-        assert int(raw.headers["x-prompt-cache-hit-tokens"]) >= prompt1 - 1
-        chat.client = client
-        assert raw.parse().content[0].text == chat.ask(turn2, bypass=True)[0]
+        chat.connect(second)
+        text, hit, _ = chat.ask(turn2)
+        assert chat.source == "ssd"
+        assert text == chat.ask(turn2, bypass=True)[0]
     finally:
         second.stop()
+    return chat, turn1, prompt1, hit
+
+
+def test_a_restarted_server_resumes_past_the_image_from_ssd(vision_root, tokenizer, tmp_path):
+    """Image keys are content hashes, the same in every process: SSD blocks still match."""
+    _, _, prompt1, hit = turn_two_after_a_restart(vision_root, tokenizer, tmp_path)
+    assert hit >= prompt1 - 1

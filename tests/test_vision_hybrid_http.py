@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import anthropic
 import httpx
 import pytest
 
 pytest.importorskip("mlx_vlm")
 
-from conftest import fresh_cache_dir, start_server  # noqa: E402
-from test_vision_http import SYSTEM, Chat, image_block  # noqa: E402
+from conftest import start_server  # noqa: E402
+from test_vision_http import Chat, image_block, turn_two_after_a_restart  # noqa: E402
 
 MODEL = "demo-vision-hybrid"
 
@@ -122,33 +121,5 @@ def test_image_and_text_requests_decode_in_one_batch_each_as_alone(server, token
 def test_a_restarted_server_resumes_past_the_image_from_an_ssd_checkpoint(
     hybrid_root, tokenizer, tmp_path
 ):
-    cache = fresh_cache_dir(hybrid_root, tmp_path / "cache")
-    args = ("--model", MODEL, "--upstream", "http://127.0.0.1:9")
-    turn1 = [{"role": "user", "content": [image_block(30), {"type": "text", "text": "What now?"}]}]
-    first = start_server(cache, *args, log_path=tmp_path / "first.log")
-    try:
-        chat = Chat(first, tokenizer, MODEL)
-        answer, _, prompt1 = chat.ask(turn1)
-    finally:
-        assert first.stop() == 0
-    turn2 = turn1 + [
-        {"role": "assistant", "content": answer},
-        {"role": "user", "content": "Go on."},
-    ]
-    second = start_server(cache, *args, log_path=tmp_path / "second.log")
-    try:
-        client = anthropic.Anthropic(base_url=second.url, api_key="test", max_retries=0)
-        raw = client.messages.with_raw_response.create(
-            model=MODEL,
-            system=SYSTEM,
-            messages=turn2,
-            max_tokens=12,
-            extra_body={"temperature": 0},
-            extra_headers={"x-tenant": chat.tenant},
-        )
-        assert raw.headers["x-prompt-cache-source"] == "ssd"
-        assert int(raw.headers["x-prompt-cache-hit-tokens"]) > image_end(chat, turn1, prompt1)
-        chat.client = client
-        assert raw.parse().content[0].text == chat.ask(turn2, bypass=True)[0]
-    finally:
-        second.stop()
+    chat, turn1, prompt1, hit = turn_two_after_a_restart(hybrid_root, tokenizer, tmp_path, MODEL)
+    assert hit > image_end(chat, turn1, prompt1)
