@@ -49,7 +49,7 @@ def _text_blocks(content: Any, where: str) -> str:
 
 def _parts(
     content: Any, where: str, skip: Callable[[Any], bool] | None = None
-) -> tuple[str, tuple[str | ImageInput, ...] | None]:
+) -> tuple[str, images.Parts | None]:
     """Text and images of a user turn's or tool result's blocks; parts only with an image."""
     if content is None or isinstance(content, str):
         return content or "", None
@@ -64,10 +64,7 @@ def _parts(
             parts.append(images.anthropic_image(b, w))
         else:
             parts.append(_block_text(b, w))
-    text = "".join(p for p in parts if isinstance(p, str))
-    if all(isinstance(p, str) for p in parts):
-        return text, None
-    return text, tuple(parts)
+    return images.text_and_parts(parts)
 
 
 def parse_system(body: dict) -> str | None:

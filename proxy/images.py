@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from engine_bridge.types import ImageInput
@@ -72,3 +73,13 @@ def openai_image(part: dict[str, Any], where: str) -> ImageInput:
             400, f"{field}: expected a data URL (data:image/png;base64,...)", param=field
         )
     return ImageInput(_decode(url[match.end() :], field), match.group("type") or "", field)
+
+
+Parts = tuple[str | ImageInput, ...]
+
+
+def text_and_parts(parts: Sequence[str | ImageInput]) -> tuple[str, Parts | None]:
+    """A message's text, and its parts in order when an image is among them (None without
+    one: the message is its text alone)."""
+    text = "".join(p for p in parts if isinstance(p, str))
+    return text, None if all(isinstance(p, str) for p in parts) else tuple(parts)

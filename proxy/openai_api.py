@@ -56,7 +56,7 @@ def text_of(content: Any, where: str) -> str:
     return text
 
 
-def content_of(content: Any, where: str) -> tuple[str, tuple[str | ImageInput, ...] | None]:
+def content_of(content: Any, where: str) -> tuple[str, images.Parts | None]:
     """The text of string content or a content array, and its parts when it has images."""
     if content is None:
         return "", None
@@ -82,8 +82,7 @@ def content_of(content: Any, where: str) -> tuple[str, tuple[str | ImageInput, .
                 f"{where}[{i}]: content type {part['type']!r} is not supported by this model",
                 param=where,
             )
-    text = "".join(p for p in out if isinstance(p, str))
-    return text, None if all(isinstance(p, str) for p in out) else tuple(out)
+    return images.text_and_parts(out)
 
 
 def _parse_arguments(raw: Any, where: str) -> Any:
