@@ -65,7 +65,7 @@ class Harness:
         """
         cache_dir = (
             None
-            if kind in ("mlx_lm", "mlx_vlm")
+            if kind in servers.REFERENCE_SERVERS
             else servers.fresh_cache_dir(self.work, kind, self.model)
         )
         server = self.fleet.add(

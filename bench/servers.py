@@ -1,7 +1,8 @@
 """Start, stop and restart the servers a benchmark compares, each a subprocess on a free port.
 
 Three kinds: our proxy on a fresh cache dir, our proxy with `--no-cache`, and mlx_lm.server,
-the tool users run today; and for images, mlx-vlm's own server with its prefix cache on. Logs go to the run's output folder so a failed run can be read.
+the tool users run today; and for images, mlx-vlm's own server with its prefix cache on.
+Logs go to the run's output folder so a failed run can be read.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ LABELS: dict[str, str] = {
     "mlx_lm": "mlx_lm.server",
     "mlx_vlm": "mlx_vlm.server (APC on)",
 }
+# The other projects' servers, by kind: no cache dir of ours, started by module.
+REFERENCE_SERVERS = {"mlx_lm": "mlx_lm.server", "mlx_vlm": "mlx_vlm.server"}
 READY_TIMEOUT_S = 300.0
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,11 +135,8 @@ def launch(
 ) -> Server:
     """Start one server; `proxy_args` go to our proxy's serve command (e.g. engine knobs)."""
     port = free_port()
-    if kind == "mlx_lm":
-        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model.path)]
-        cmd += ["--host", "127.0.0.1", "--port", str(port)]
-    elif kind == "mlx_vlm":
-        cmd = [sys.executable, "-m", "mlx_vlm.server", "--model", str(model.path)]
+    if kind in REFERENCE_SERVERS:
+        cmd = [sys.executable, "-m", REFERENCE_SERVERS[kind], "--model", str(model.path)]
         cmd += ["--host", "127.0.0.1", "--port", str(port)]
     else:
         assert cache_dir is not None, f"{kind} needs a cache dir"
