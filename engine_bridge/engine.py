@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -17,7 +18,9 @@ from .cache.write_policy import SPARSE_PERIODIC_EVERY
 from .cache_probe import ProbeResult, WarmResult
 from .demo import DEMO_MODEL_IDS
 from .engine_settings import EngineSettings  # callers import it with Engine, from here
+from .forced_output import ForcedOutputs
 from .memory import HEAP_TRIM_S, MemoryGuard, default_kv_memory, mlx_memory, release_memory
+from .output_rules import call_marker_is_token, output_rule
 from .prompt import RenderedPrompt, render_chat, render_completion
 from .prompt_cache import ModelCache
 from .request_log import RequestLog
@@ -70,6 +73,7 @@ class Engine:
         self.requests = RequestStats()
         # The last requests with why each missed, and the hit-ratio alert.
         self.request_log = RequestLog(settings.alert_hit_ratio)
+        self._forced = ForcedOutputs.from_env()  # tests only
         self._caches: dict[str, ModelCache] = {}  # each loaded model's prompt cache
         # Called with every finished request (on the MLX thread): metrics, request logs.
         self.result_listeners: list[Callable[[GenerationRequest, GenerationResult], None]] = []
@@ -277,7 +281,16 @@ class Engine:
             )
         # Past the context there is nowhere to put a token: stop there with "length".
         max_tokens = min(req.max_tokens, ctx - n)
-        return runner, Job(req, prompt, max_tokens)
+        fmt = loaded.output_format
+        rule = output_rule(
+            loaded.tokenizer,
+            fmt,
+            req.tool_choice,
+            has_tools=bool(req.tools),
+            opens_in_reasoning=fmt.opens_in_reasoning(prompt.text),
+            forced_text=self._forced.pick(prompt.text) if self._forced else None,
+        )
+        return runner, Job(req, prompt, max_tokens, rule=rule)
 
     def run(self, runner: Runner, job: Job) -> AsyncIterator[Event]:
         # The runner's own generator, not a wrapper: closing it must run its cleanup (cancel,
@@ -301,11 +314,17 @@ class Engine:
             await events.aclose()
             raise GenerationFailed(f"generation failed: {e}") from e
         assert isinstance(first, PromptInfo), f"the runner reports the prompt first: {first!r}"
+        choice = req.tool_choice
         return GenerationStream(
             first,
             events,
             context_length=runner.loaded.context_length,
-            opens_in_reasoning=job.prompt.text.rstrip().endswith("<think>"),
+            output=functools.partial(
+                runner.loaded.output_format.parser,
+                prompt_text=job.prompt.text,
+                tools=req.tools if choice.mode != "none" else None,
+                parallel=choice.parallel,
+            ),
             use_cache=req.use_cache,
         )
 
@@ -330,6 +349,24 @@ class Engine:
         runner = await self.runner(req.model)
         return len((await self._render_chat(runner.loaded, req)).tokens)
 
+    @staticmethod
+    def _rendered_tools(loaded: models.LoadedModel, req: GenerationRequest) -> list | None:
+        """The tools the template shows. `tool_choice: none` keeps them, so the prompt and
+        its cache match the turns that allow calls, and bans the call marker instead; a
+        family whose marker is several tokens cannot ban it, so it shows none."""
+        if req.tool_choice.mode == "none" and not call_marker_is_token(
+            loaded.tokenizer, loaded.output_format
+        ):
+            return None
+        if req.tool_choice.name and req.tools:
+            # A named tool: only it is offered (the prompt then differs from the turns
+            # that offer all, from the tools on).
+            named = [
+                t for t in req.tools if t.get("function", {}).get("name") == req.tool_choice.name
+            ]
+            return named or req.tools
+        return req.tools
+
     async def _render_chat(
         self, loaded: models.LoadedModel, req: GenerationRequest
     ) -> RenderedPrompt:
@@ -342,7 +379,7 @@ class Engine:
             render_chat,
             loaded.tokenizer,
             req.messages or [],
-            req.tools,
+            self._rendered_tools(loaded, req),
             req.template_kwargs,
             self.settings.normalization,
             loaded.prefixes,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .cache.kinds import SavePoint
+from .output_rules import OutputRule
 from .prompt import RenderedPrompt
 from .types import CacheSource, GenerationRequest, GenerationResult, PromptInfo, TokenEvent
 
@@ -31,6 +32,8 @@ class Job:
     prompt: RenderedPrompt
     max_tokens: int
     cancel: threading.Event = field(default_factory=threading.Event)
+    # Forced and banned tokens (tool_choice, the test hook); None for plain sampling.
+    rule: OutputRule | None = None
 
 
 Event = PromptInfo | TokenEvent | GenerationResult

@@ -23,6 +23,7 @@ from mlx_lm.utils import load as mlx_load
 from mlx_lm.utils import load_tokenizer
 
 from . import demo, kv, vision
+from .output_format import OutputFormat
 from .prefix_memo import PrefixMemo
 from .types import EngineError
 
@@ -74,6 +75,8 @@ class LoadedModel:
     vision: vision.VisionModel | None = None
     # The config names a vision tower, whether or not it loaded with it.
     has_vision_tower: bool = False
+    # Its reasoning and tool-call markup, as mlx-lm infers it from the tokenizer.
+    output_format: OutputFormat = field(default_factory=OutputFormat)
 
 
 def resolve(spec: str, cache_dir: Path, lmstudio_dirs: list[Path]) -> ModelRef:
@@ -129,6 +132,7 @@ def load(ref: ModelRef) -> LoadedModel:
         load_s=load_s,
         vision=seeing,
         has_vision_tower=vision.has_vision_tower(config),
+        output_format=OutputFormat.of(tokenizer),
     )
     log.info(
         "loaded model %s from %s in %.2fs (kind=%s, context=%d, fingerprint=%s)",

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
+from .output_rules import OutputRule
 from .types import Sampling
 
 # The repetition penalty looks at this many recent tokens (mlx-lm's default context).
@@ -20,7 +21,8 @@ PENALTY_CONTEXT = 20
 class RowSampler:
     """Turns one row of logits into a token, with this request's parameters."""
 
-    def __init__(self, s: Sampling):
+    def __init__(self, s: Sampling, rule: OutputRule | None = None):
+        self.rule = rule
         self.temperature = s.temperature
         self.top_p, self.top_k, self.min_p = s.top_p, s.top_k, s.min_p
         self._key = mx.random.key(s.seed) if s.seed is not None else None
@@ -38,11 +40,13 @@ class RowSampler:
         return self.temperature == 0.0
 
     def process(self, history: Sequence[int], logits: mx.array) -> mx.array:
-        """Apply logits processors (repetition penalty) to a [1, V] row."""
+        """Apply logits processors (repetition penalty) and the output rule to a [1, V] row."""
         if self.processors:
             recent = mx.array(list(history[-PENALTY_CONTEXT:]))
             for p in self.processors:
                 logits = p(recent, logits)
+        if self.rule is not None:
+            logits = self.rule.apply(logits)
         return logits
 
     def sample(self, logits: mx.array) -> mx.array:
@@ -67,7 +71,7 @@ def sample_rows(
     logits: mx.array, samplers: Sequence[RowSampler], histories: Sequence[Sequence[int]]
 ) -> mx.array:
     """One token per row of [B, V] logits; a single argmax when every row is plain greedy."""
-    if all(s.greedy and not s.processors for s in samplers):
+    if all(s.greedy and not s.processors and s.rule is None for s in samplers):
         return mx.argmax(_logprobs(logits), axis=-1)
     rows = []
     for i, (s, history) in enumerate(zip(samplers, histories, strict=True)):

@@ -31,12 +31,14 @@ class Seq:
         self.cached = 0
         self.source: CacheSource = "none"
         self.stops: deque[int] = deque()
-        self.sampler = RowSampler(job.request.sampling)
+        self.out: list[int] = []
+        if job.rule is not None:
+            job.rule.out = self.out  # the rule reads the output as it grows
+        self.sampler = RowSampler(job.request.sampling, job.rule)
         self.eos = set(tokenizer.eos_token_ids)
         self.detok = tokenizer.detokenizer
         self.detok.reset()
         self.stopper = StopMatcher(job.request.stop)
-        self.out: list[int] = []
         self.history: list[int] = list(job.prompt.tokens[-64:])
         self.ttft: float | None = None
         self.restore_s = 0.0

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+from .output_format import OutputParser
 from .types import CacheSource, GenerationFailed, GenerationResult, PromptInfo, TokenEvent
 
 log = logging.getLogger("engine_bridge.stream")
@@ -28,13 +29,12 @@ class GenerationStream:
         events: AsyncIterator[StreamEvent],
         *,
         context_length: int,
-        opens_in_reasoning: bool,
+        output: Callable[..., OutputParser],
         use_cache: bool,
     ):
         self.info = info
         self.context_length = context_length
-        # The prompt ends inside an open reasoning block (a template that prefills <think>).
-        self.opens_in_reasoning = opens_in_reasoning
+        self._output = output
         self.use_cache = use_cache
         self.result: GenerationResult | None = None
         self._events = events
@@ -50,6 +50,11 @@ class GenerationStream:
     @property
     def source(self) -> CacheSource:
         return self.info.source
+
+    def parser(self, raw: bool = False) -> OutputParser:
+        """A parser of this generation's text in the model's own format (reasoning, answer
+        text, tool calls); `raw` passes the text through as it is (plain completions)."""
+        return self._output(raw=raw)
 
     def __aiter__(self) -> GenerationStream:
         return self

@@ -76,6 +76,19 @@ class ToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """Which calls the client allows: both dialects' tool_choice and parallel switches."""
+
+    # "auto": the model decides; "none": no call (the tools stay in the prompt, so the
+    # cache still hits); "required": the answer opens with a call, to `name` when set.
+    mode: Literal["auto", "none", "required"] = "auto"
+    name: str | None = None
+    # False: the turn ends after its first call (Anthropic disable_parallel_tool_use,
+    # OpenAI parallel_tool_calls: false).
+    parallel: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class ImageInput:
     """An image as the client sent it (the encoded file); the engine decodes it."""
 
@@ -147,6 +160,7 @@ class GenerationRequest:
     messages: list[Message] | None = None
     prompt: str | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
     max_tokens: int = 512
     stop: list[str] = field(default_factory=list)
     sampling: Sampling = field(default_factory=Sampling)

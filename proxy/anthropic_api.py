@@ -10,7 +10,14 @@ from typing import Any
 
 from aiohttp import web
 
-from engine_bridge.types import GenerationRequest, ImageInput, Message, Sampling, ToolCall
+from engine_bridge.types import (
+    GenerationRequest,
+    ImageInput,
+    Message,
+    Sampling,
+    ToolCall,
+    ToolChoice,
+)
 
 from . import fields as f
 from . import images
@@ -186,9 +193,6 @@ def parse_tools(body: dict) -> list[dict[str, Any]] | None:
     tools = f.get_list(body, "tools")
     if not tools:
         return None
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "none":
-        return None
     out = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
@@ -222,6 +226,30 @@ def build_messages(body: dict) -> list[Message]:
     return messages
 
 
+def parse_tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """`tool_choice` {type: auto|any|tool|none, name, disable_parallel_tool_use}, as the
+    engine honours it."""
+    choice = f.get_dict(body, "tool_choice")
+    if choice is None:
+        return ToolChoice()
+    kind = choice.get("type")
+    parallel = not f.get_bool(
+        choice, "disable_parallel_tool_use", False, where="tool_choice.disable_parallel_tool_use"
+    )
+    if kind == "auto":
+        return ToolChoice("auto", parallel=parallel)
+    if kind == "none":
+        return ToolChoice("none", parallel=parallel)
+    if kind == "any":
+        return ToolChoice("required", parallel=parallel)
+    if kind == "tool":
+        name = f.get_str(choice, "name", nonempty=True, where="tool_choice.name")
+        if not any(t["function"]["name"] == name for t in tools or ()):
+            raise ApiError(400, f"tool_choice.name: no tool named {name!r}", param="tool_choice")
+        return ToolChoice("required", name=name, parallel=parallel)
+    raise ApiError(400, "tool_choice.type: expected auto, any, tool or none", param="tool_choice")
+
+
 def messages_request(body: dict, request: web.Request) -> GenerationRequest:
     model = f.get_str(body, "model", nonempty=True)
     max_tokens = f.get_int(body, "max_tokens", None, lo=1)
@@ -235,10 +263,12 @@ def messages_request(body: dict, request: web.Request) -> GenerationRequest:
         # "adaptive" (Claude Code's default) lets the model decide: allow thinking.
         kwargs["enable_thinking"] = thinking.get("type") in ("enabled", "adaptive")
     tenant, use_cache = request_options(request)
+    tools = parse_tools(body)
     return GenerationRequest(
         model=model,
         messages=build_messages(body),
-        tools=parse_tools(body),
+        tools=tools,
+        tool_choice=parse_tool_choice(body, tools),
         max_tokens=max_tokens,
         stop=f.get_stop(body, "stop_sequences"),
         sampling=Sampling(

@@ -167,12 +167,12 @@ def get_float(
     return float(value)
 
 
-def get_bool(body: dict, name: str, default: bool = False) -> bool:
+def get_bool(body: dict, name: str, default: bool = False, *, where: str | None = None) -> bool:
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _type_error(name, "a boolean", value)
+        raise _type_error(where or name, "a boolean", value)
     return value
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from engine_bridge.engine import Engine
+from engine_bridge.output_format import OutputParser
 from engine_bridge.stream import GenerationStream
 from engine_bridge.types import (
     GenerationRequest,
@@ -18,7 +19,7 @@ from engine_bridge.types import (
     TokenEvent,
 )
 
-from .output import OutputParser, Part
+from .output import Part
 from .state import REQUEST_ID, SETTINGS
 
 BYPASS_HEADER = "x-prompt-cache"
@@ -52,7 +53,8 @@ class Generation:
             if isinstance(event, TokenEvent):
                 for part in self.parser.feed(event.text):
                     yield part
-        for part in self.parser.finish():
+        result = self.stream.result
+        for part in self.parser.finish(result.finish_reason if result else "stop"):
             yield part
 
     async def aclose(self) -> None:
@@ -142,7 +144,4 @@ async def start(
     # EngineError (a 4xx, or 429 when the queue is full) and GenerationFailed propagate:
     # the app's middleware maps every error to the dialect's shape in one place.
     stream = await engine.start(req)
-    parser = OutputParser(
-        in_reasoning=stream.opens_in_reasoning, parse_tools=bool(req.tools), raw=raw
-    )
-    return Generation(stream, parser)
+    return Generation(stream, stream.parser(raw=raw))

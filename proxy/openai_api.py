@@ -10,7 +10,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from engine_bridge.types import GenerationRequest, ImageInput, Message, Sampling, ToolCall
+from engine_bridge.types import (
+    GenerationRequest,
+    ImageInput,
+    Message,
+    Sampling,
+    ToolCall,
+    ToolChoice,
+)
 
 from . import fields as f
 from . import images
@@ -155,8 +162,6 @@ def parse_tools(body: dict) -> list[dict[str, Any]] | None:
     tools = f.get_list(body, "tools")
     if not tools:
         return None
-    if body.get("tool_choice") == "none":
-        return None
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or not isinstance(t.get("function"), dict):
             raise ApiError(
@@ -165,6 +170,50 @@ def parse_tools(body: dict) -> list[dict[str, Any]] | None:
         if not isinstance(t["function"].get("name"), str):
             raise ApiError(400, f"tools[{i}].function.name: expected a string", param="tools")
     return tools
+
+
+def parse_tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """`tool_choice` ("auto", "none", "required" or a named function) and
+    `parallel_tool_calls`, as the engine honours them."""
+    choice = body.get("tool_choice")
+    parallel = f.get_bool(body, "parallel_tool_calls", True)
+    if choice is None or choice == "auto":
+        return ToolChoice("auto", parallel=parallel)
+    if choice in ("none", "required"):
+        return ToolChoice(choice, parallel=parallel)
+    name = None
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
+        fn = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+        name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise ApiError(
+            400,
+            'tool_choice: expected "auto", "none", "required" or '
+            '{"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
+    if not any(t["function"]["name"] == name for t in tools or ()):
+        raise ApiError(400, f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
+    return ToolChoice("required", name=name, parallel=parallel)
+
+
+def thinking_kwargs(body: dict) -> dict[str, Any]:
+    """`chat_template_kwargs`, with `reasoning_effort` as the template's enable_thinking
+    ("none" and "minimal" turn reasoning off; an explicit kwarg wins)."""
+    kwargs = dict(f.get_dict(body, "chat_template_kwargs", {}) or {})
+    effort = f.get_str(body, "reasoning_effort", None)
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise ApiError(
+                400,
+                f"reasoning_effort: expected one of {', '.join(REASONING_EFFORTS)}",
+                param="reasoning_effort",
+            )
+        kwargs.setdefault("enable_thinking", effort not in ("none", "minimal"))
+    return kwargs
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 def _common(body: dict, request: web.Request) -> dict[str, Any]:
@@ -188,8 +237,13 @@ def chat_request(body: dict, request: web.Request) -> GenerationRequest:
     common = _common(body, request)
     messages = parse_messages(body)
     tools = parse_tools(body)
-    kwargs = f.get_dict(body, "chat_template_kwargs", {}) or {}
-    return GenerationRequest(messages=messages, tools=tools, template_kwargs=kwargs, **common)
+    return GenerationRequest(
+        messages=messages,
+        tools=tools,
+        tool_choice=parse_tool_choice(body, tools),
+        template_kwargs=thinking_kwargs(body),
+        **common,
+    )
 
 
 def completion_request(body: dict, request: web.Request) -> GenerationRequest:
@@ -278,7 +332,7 @@ def tool_call_json(p: Part, index: int | None = None) -> dict[str, Any]:
     """A parsed call in the response's shape: the template's, with the arguments as JSON text."""
     assert p.call is not None, f"not a tool call: {p!r}"
     call = p.call.to_template()
-    call["function"]["arguments"] = json.dumps(p.call.arguments)
+    call["function"]["arguments"] = json.dumps(p.call.arguments, ensure_ascii=False)
     if index is not None:
         call["index"] = index
     return call
@@ -352,8 +406,15 @@ async def chat_completions(
             elif p.kind == "reasoning":
                 await sse.data(chunk({"reasoning_content": p.text}))
             else:
+                # As OpenAI streams a call: index, id and name first, then the arguments
+                # (here all at once: the families' parsers read a call whole).
                 index = sum(1 for s in seen if s.kind == "tool_call") - 1
-                await sse.data(chunk({"tool_calls": [tool_call_json(p, index)]}))
+                call = tool_call_json(p, index)
+                arguments = call["function"]["arguments"]
+                call["function"]["arguments"] = ""
+                await sse.data(chunk({"tool_calls": [call]}))
+                delta = {"index": index, "function": {"arguments": arguments}}
+                await sse.data(chunk({"tool_calls": [delta]}))
         last = chunk({}, finish_reason(gen, seen))
         if lmstudio:
             last.update(lmstudio_extras(gen))

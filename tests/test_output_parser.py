@@ -1,4 +1,9 @@
-"""Reasoning and tool calls are split out of streamed text, whatever the chunking."""
+"""Reasoning and tool calls are split out of streamed text, whatever the chunking.
+
+The parser is the one the server builds for demo-llama, from its real tokenizer: Hermes
+JSON calls (mlx-lm's json_tools, inferred from the chat template) and `<think>` markers.
+The formats of the other families run through the whole server in test_tool_formats.py.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,8 @@ import json
 
 import pytest
 
-from proxy.output import OutputParser, merge
+from engine_bridge.output_format import OutputFormat, typed_arguments
+from proxy.output import merge
 
 TEXT = (
     "<think>\nThe user wants the weather.\n</think>\n\nLet me check."
@@ -15,18 +21,44 @@ TEXT = (
 )
 
 
-def _parse(text: str, step: int, **kw):
-    p = OutputParser(**kw)
-    parts = []
-    for i in range(0, len(text), step):
-        parts += p.feed(text[i : i + step])
-    parts += p.finish()
-    return merge(parts)
+TOOLS = [
+    {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+    for n in ("get_weather", "get_time", "x")
+]
+
+
+@pytest.fixture(scope="module")
+def fmt(demo_root) -> OutputFormat:
+    from mlx_lm.tokenizer_utils import load
+
+    return OutputFormat.of(load(demo_root / "models" / "demo-llama"))
+
+
+@pytest.fixture
+def parse(fmt):
+    def run(text: str, step: int, prompt: str = "", tools=TOOLS, reason: str = "stop"):
+        p = fmt.parser(prompt_text=prompt, tools=tools)
+        parts = []
+        for i in range(0, len(text), step):
+            parts += p.feed(text[i : i + step])
+        parts += p.finish(reason)
+        return merge(parts)
+
+    return run
+
+
+def test_demo_llama_speaks_hermes_json_as_mlx_lm_infers_it(fmt):
+    assert (fmt.family, fmt.tool_call_start, fmt.tool_call_end) == (
+        "json_tools",
+        "<tool_call>",
+        "</tool_call>",
+    )
+    assert (fmt.think_start, fmt.think_end) == ("<think>", "</think>")
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
-def test_reasoning_text_and_tool_calls_split_at_any_chunking(step):
-    parts = _parse(TEXT, step)
+def test_reasoning_text_and_tool_calls_split_at_any_chunking(parse, step):
+    parts = parse(TEXT, step)
     assert [p.kind for p in parts] == ["reasoning", "text", "tool_call", "tool_call"]
     assert parts[0].text == "\nThe user wants the weather.\n"
     assert parts[1].text == "Let me check."
@@ -35,33 +67,86 @@ def test_reasoning_text_and_tool_calls_split_at_any_chunking(step):
     assert parts[2].call.id != parts[3].call.id
 
 
-def test_prompt_that_opened_think_starts_in_reasoning():
-    parts = _parse("planning</think>answer", 2, in_reasoning=True)
+def test_prompt_that_opened_think_starts_in_reasoning(parse):
+    parts = parse("planning</think>answer", 2, prompt="<|im_start|>assistant\n<think>\n")
     assert [(p.kind, p.text) for p in parts] == [("reasoning", "planning"), ("text", "answer")]
 
 
-def test_malformed_tool_call_is_kept_as_text():
-    parts = _parse("<tool_call>{not json}</tool_call>", 3)
+def test_prompt_whose_think_was_closed_starts_in_text(parse):
+    parts = parse("answer", 2, prompt="assistant\n<think>\n\n</think>\n\n")
+    assert [(p.kind, p.text) for p in parts] == [("text", "answer")]
+
+
+def test_malformed_tool_call_is_kept_as_text(parse):
+    parts = parse("<tool_call>{not json}</tool_call>", 3)
     assert [(p.kind, p.text) for p in parts] == [("text", "<tool_call>{not json}</tool_call>")]
 
 
-def test_unterminated_tool_call_is_text_at_finish():
-    parts = _parse('<tool_call>{"name": "x"', 4)
-    assert parts[0].kind == "text" and parts[0].text.startswith("<tool_call>")
+def test_unterminated_tool_call_is_text_at_finish(parse):
+    parts = parse('<tool_call>{"name": "x"', 4)
+    assert [(p.kind, p.text) for p in parts] == [("text", '<tool_call>{"name": "x"')]
 
 
-def test_tools_not_parsed_when_request_had_no_tools():
-    parts = _parse('<tool_call>{"name": "x", "arguments": {}}</tool_call>', 5, parse_tools=False)
+def test_call_cut_off_by_max_tokens_is_text_even_if_it_parses(parse, caplog):
+    parts = parse('<tool_call>{"name": "x", "arguments": {}}', 4, reason="length")
+    assert [(p.kind, p.text) for p in parts] == [
+        ("text", '<tool_call>{"name": "x", "arguments": {}}')
+    ]
+    assert "cut off by max_tokens" in caplog.text
+
+
+def test_tools_not_parsed_when_request_had_no_tools(parse):
+    parts = parse('<tool_call>{"name": "x", "arguments": {}}</tool_call>', 5, tools=None)
     assert [p.kind for p in parts] == ["text"]
 
 
-def test_partial_tag_is_held_back_until_resolved():
-    p = OutputParser()
+def test_one_call_only_keeps_the_first(fmt):
+    p = fmt.parser(tools=TOOLS, parallel=False)
+    parts = merge(p.feed(TEXT) + p.finish())
+    assert [p.call.name for p in parts if p.kind == "tool_call"] == ["get_weather"]
+
+
+def test_partial_tag_is_held_back_until_resolved(fmt):
+    p = fmt.parser(tools=TOOLS)
     assert [x.text for x in p.feed("hello <th")] == ["hello "]
     assert [x.text for x in p.feed("ere")] == ["<there"]
 
 
-def test_openai_and_anthropic_sdk_models_accept_tool_call_responses():
+def test_arguments_are_typed_by_the_tool_schema():
+    props = {
+        "n": {"type": "integer"},
+        "x": {"type": "number"},
+        "ok": {"type": "boolean"},
+        "opts": {"type": "object"},
+        "ids": {"type": "array"},
+        "name": {"type": "string"},
+        "either": {"type": ["integer", "string"]},
+    }
+    args = {
+        "n": "30",
+        "x": "2.5",
+        "ok": "true",
+        "opts": '{"a": 1}',
+        "ids": "[1, 2]",
+        "name": "42",
+        "either": "7",
+        "unknown": "3",
+    }
+    assert typed_arguments(args, props) == {
+        "n": 30,
+        "x": 2.5,
+        "ok": True,
+        "opts": {"a": 1},
+        "ids": [1, 2],
+        "name": "42",
+        "either": "7",
+        "unknown": "3",
+    }
+    # A value that does not fit its type stays as the model wrote it.
+    assert typed_arguments({"n": "thirty"}, props) == {"n": "thirty"}
+
+
+def test_openai_and_anthropic_sdk_models_accept_tool_call_responses(parse):
     """The response builders' shapes validate against the SDKs' own types."""
     from anthropic.types import Message
     from openai.types.chat import ChatCompletion
@@ -69,7 +154,7 @@ def test_openai_and_anthropic_sdk_models_accept_tool_call_responses():
     from proxy.anthropic_api import block_json
     from proxy.openai_api import tool_call_json
 
-    parts = _parse(TEXT, 5)
+    parts = parse(TEXT, 5)
     call = tool_call_json(parts[2])
     cc = ChatCompletion.model_validate(
         {
