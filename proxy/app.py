@@ -23,6 +23,7 @@ from . import (
     metrics,
     openai_api,
     openapi,
+    responses_api,
 )
 from .config import UpstreamConfig
 from .errors import ApiError, api_error, dialect_for, error_response
@@ -199,12 +200,13 @@ def create_app(
     app.router.add_post("/v1/completions", json_route(openai_api.completions))
     app.router.add_post("/v1/messages", json_route(anthropic_api.messages))
     app.router.add_post("/v1/messages/count_tokens", json_route(anthropic_api.count_tokens))
+    responses_api.add_routes(app, json_route)
     lmstudio_api.add_routes(app)
     cache_admin.add_routes(app)
     app.router.add_get("/openapi.json", openapi.serve)
     cache_inspect.add_routes(app)
     dashboard.add_routes(app)
     app.router.add_get("/metrics", metrics.serve)
-    # Everything else is LM Studio's: embeddings, /v1/responses, /api/v0, /api/v1, ...
+    # Everything else is LM Studio's: embeddings, /api/v0, /api/v1, ...
     app.router.add_route("*", "/{tail:.*}", passthrough, name=PASSTHROUGH_ROUTE)
     return app

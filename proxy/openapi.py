@@ -19,6 +19,7 @@ from . import (
     openapi_inspect,
     openapi_metrics,
     openapi_openai,
+    openapi_responses,
     openapi_sessions,
 )
 from .generation import BYPASS_HEADER, SESSION_HEADERS
@@ -183,9 +184,11 @@ def document(model_ids: Sequence[str], tenant_header: str = "x-tenant") -> Schem
     """The whole document, with `model_ids` as the models a request may name."""
     chat = ("ChatCompletionRequest", "ChatCompletion", "OpenAIError")
     completion = ("CompletionRequest", "Completion", "OpenAIError")
+    responses = ("ResponsesRequest", "Response", "OpenAIError")
     paths = {
         "/v1/chat/completions": {"post": _generation_op("OpenAI chat completion", *chat)},
         "/v1/completions": {"post": _generation_op("OpenAI legacy completion", *completion)},
+        "/v1/responses": {"post": _generation_op("OpenAI Responses (Codex CLI)", *responses)},
         "/v1/messages": {
             "post": _generation_op(
                 "Anthropic Messages", "MessagesRequest", "Message", "AnthropicError"
@@ -239,6 +242,7 @@ def document(model_ids: Sequence[str], tenant_header: str = "x-tenant") -> Schem
         "components": {
             "schemas": {
                 **openapi_openai.schemas(),
+                **openapi_responses.schemas(),
                 **openapi_anthropic.schemas(),
                 **_other_schemas(model_ids),
                 **openapi_sessions.schemas(),

@@ -24,7 +24,7 @@ import httpx
 # Generation length is not what is being fuzzed: capping it keeps each case at parsing,
 # validation and a few decode steps, so thousands of cases fit in minutes on a CPU.
 MAX_TOKENS = 8
-TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 DEFAULT_SEED = 20261201
 UPSTREAM_OFF = {"MLX_PROMPT_CACHE_UPSTREAM_ENABLED": "false"}
 DEFAULT_CASES = 200  # per operation and mode: 6 POST routes x 2 modes x 200 = 2,400
