@@ -135,13 +135,17 @@ def load(ref: ModelRef) -> LoadedModel:
         output_format=OutputFormat.of(tokenizer),
     )
     log.info(
-        "loaded model %s from %s in %.2fs (kind=%s, context=%d, fingerprint=%s)",
+        "loaded model %s from %s in %.2fs (kind=%s, context=%d, fingerprint=%s, "
+        "tool calls=%s, reasoning=%s)",
         loaded.id,
         loaded.path,
         load_s,
         loaded.cache_kind,
         loaded.context_length,
         loaded.fingerprint[:12],
+        loaded.output_format.family or "none",
+        loaded.output_format.think_start
+        or ("channels" if loaded.output_format.harmony else "none"),
     )
     return loaded
 

@@ -50,7 +50,11 @@ ENV_PREFIX = "MLX_PROMPT_CACHE_"
 DEFAULT_CONFIG_PATH = Path("~/.config/mlx-prompt-cache/config.toml")
 
 # Variables with our prefix that are not config keys (read by scripts, not by load_config).
-_ENV_NOT_CONFIG = frozenset({ENV_PREFIX + "URL", ENV_PREFIX + "CONFIG"})
+# Read elsewhere: the CLI's URL and config path, and the engine's test-only forced output
+# (engine_bridge/forced_output.py).
+_ENV_NOT_CONFIG = frozenset(
+    {ENV_PREFIX + "URL", ENV_PREFIX + "CONFIG", ENV_PREFIX + "FORCE_OUTPUT"}
+)
 
 
 @dataclass(slots=True)

@@ -100,7 +100,14 @@ def schemas() -> dict[str, Schema]:
         },
         "system": nullable(text_content),
         "tools": nullable({"type": "array", "items": ref("AnthropicTool")}),
-        "tool_choice": obj({"type": {"enum": ["auto", "any", "tool", "none"]}, "name": STRING}),
+        "tool_choice": obj(
+            {
+                "type": {"enum": ["auto", "any", "tool", "none"]},
+                "name": STRING,
+                "disable_parallel_tool_use": BOOL,
+            },
+            ["type"],
+        ),
     }
     block = {
         "anyOf": [

@@ -97,7 +97,31 @@ def schemas() -> dict[str, Schema]:
                 "model": ref("LocalModel"),
                 "messages": {"type": "array", "items": ref("ChatMessage"), "minItems": 1},
                 "tools": nullable({"type": "array", "items": ref("ChatTool")}),
-                "tool_choice": {"description": '"none" turns tools off; anything else is auto'},
+                "tool_choice": nullable(
+                    {
+                        "description": "auto; none (no call; the tools stay in the prompt); "
+                        "required (the answer opens with a call); or a named function",
+                        "anyOf": [
+                            {"enum": ["auto", "none", "required"]},
+                            obj(
+                                {
+                                    "type": {"const": "function"},
+                                    "function": obj({"name": STRING}, ["name"]),
+                                },
+                                ["type", "function"],
+                            ),
+                        ],
+                    }
+                ),
+                "parallel_tool_calls": nullable(
+                    {"type": "boolean", "description": "false: the turn ends after its first call"}
+                ),
+                "reasoning_effort": nullable(
+                    {
+                        "enum": ["none", "minimal", "low", "medium", "high", "xhigh"],
+                        "description": "none and minimal pass enable_thinking=false to the template",
+                    }
+                ),
                 "chat_template_kwargs": nullable(ANY_OBJECT),
                 **common,
             },
