@@ -256,6 +256,7 @@ def prefix_lengths(
     guessed = 0
     # Roles before the previous message: templates branch on whether a user turn came yet.
     seen: frozenset = frozenset()
+    past = _past_turn_boundaries(chat)
     for i in range(1, n):
         seen = seen | {chat[i - 2].get("role")} if i > 1 else seen
         anchor = layout.anchors[i]
@@ -263,7 +264,7 @@ def prefix_lengths(
             out.append(exact(i))
             continue
         at, first_field = anchor
-        kind = (seen, _shape(chat[i - 1]), _shape(chat[i]), first_field)
+        kind = (seen, _shape(chat[i - 1]), _shape(chat[i]), first_field, past[i])
         if kind not in learned:
             length = exact(i)
             out.append(length)
@@ -290,6 +291,25 @@ def prefix_lengths(
             n - 1,
             layout.first_rewritten,
         )
+    return out
+
+
+def _past_turn_boundaries(chat: list[dict[str, Any]]) -> list[bool]:
+    """Per message i: an assistant message lies between the last user message before i and
+    i, and a user message comes at or after i. Qwen3-style templates render such an
+    assistant as the current turn in the prefix chat[:i] and as a past turn in the whole."""
+    n = len(chat)
+    later_user = [False] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        later_user[i] = later_user[i + 1] or chat[i].get("role") == "user"
+    out, assistant_since_user = [], False
+    for i in range(n):
+        out.append(assistant_since_user and later_user[i])
+        role = chat[i].get("role")
+        if role == "user":
+            assistant_since_user = False
+        elif role == "assistant":
+            assistant_since_user = True
     return out
 
 

@@ -32,10 +32,12 @@ def recipe_digest(name: str) -> str:
     """Digest of everything a build of `name` depends on; a stale build is rebuilt."""
     h = hashlib.sha256(f"{RECIPE_VERSION}/{name}".encode())
     h.update(tokenizer.corpus_bytes())
-    h.update(tokenizer.chat_template().encode("utf-8"))
     if name in specs.VISION_DEMO_IDS:
+        h.update(tokenizer.chat_template().encode("utf-8"))
         h.update(specs.vision_demo_module(name).recipe_inputs())
     else:
+        # The template this model ships: a changed or swapped template rebuilds it.
+        h.update(tokenizer.chat_template(specs.chat_template_file(name)).encode("utf-8"))
         h.update(json.dumps(specs.model_config(name, 0, 0), sort_keys=True).encode())
     return h.hexdigest()
 
@@ -119,7 +121,8 @@ def write_model_files(name: str, out: Path) -> None:
     config = specs.model_config(name, tok.get_vocab_size(with_added_tokens=True), eos_id)
     muted = sorted(tok.token_to_id(t) for t in tokenizer.SPECIAL_TOKENS)
     weights.save_weights(weights.random_weights(config, muted), out / "model.safetensors")
-    tokenizer.write_tokenizer_files(tok, out)
+    template = tokenizer.chat_template(specs.chat_template_file(name))
+    tokenizer.write_tokenizer_files(tok, out, template)
     _write_json(out / "config.json", config)
 
 

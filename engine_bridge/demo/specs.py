@@ -64,6 +64,11 @@ _SPECS: dict[str, dict[str, Any]] = {
     },
 }
 
+# demo-hybrid speaks Qwen3.6's format (XML calls, <think> opened by the generation prompt),
+# as the Qwen3.5/3.6 hybrids it stands in for; the others keep the Hermes-style template.
+_TEMPLATES = {"demo-hybrid": "chat_template_qwen3_6.jinja"}
+HERMES_TEMPLATE = "chat_template.jinja"
+
 DEMO_MODEL_IDS: tuple[str, ...] = tuple(_SPECS)
 # Built by demo/vision.py through mlx-vlm, so only with the vision extra; not among the
 # models a server loads when none are named.
@@ -84,6 +89,11 @@ def vision_demo_module(name: str) -> Any:
 def is_demo_model(name: str) -> bool:
     """True when `name` is one of the built-in demo model ids."""
     return name in _SPECS or name in VISION_DEMO_IDS
+
+
+def chat_template_file(name: str) -> str:
+    """The file under demo/data holding the chat template of text demo `name`."""
+    return _TEMPLATES.get(name, HERMES_TEMPLATE)
 
 
 def model_config(name: str, vocab_size: int, eos_token_id: int) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from importlib import resources
 from pathlib import Path
@@ -17,7 +18,7 @@ from tokenizers import (
     trainers,
 )
 
-from .specs import MAX_POSITIONS
+from .specs import HERMES_TEMPLATE, MAX_POSITIONS
 
 VOCAB_SIZE = 4096
 EOS_TOKEN = "<|im_end|>"
@@ -53,12 +54,21 @@ def corpus_bytes() -> bytes:
     return _data("corpus.txt")
 
 
-def chat_template() -> str:
-    return _data("chat_template.jinja").decode("utf-8")
+def chat_template(filename: str = HERMES_TEMPLATE) -> str:
+    """The text of a chat template shipped in demo/data."""
+    return _data(filename).decode("utf-8")
 
 
 def train_tokenizer() -> Tokenizer:
-    """Train on the shipped corpus; the same corpus always yields the same merges."""
+    """Train on the shipped corpus; the same corpus always yields the same merges.
+
+    Trained once per process: each call returns a fresh copy, free for its caller to extend.
+    """
+    return Tokenizer.from_str(_trained_json())
+
+
+@functools.cache
+def _trained_json() -> str:
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -82,22 +92,32 @@ def train_tokenizer() -> Tokenizer:
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     size = tok.get_vocab_size(with_added_tokens=True)
     assert size == VOCAB_SIZE, f"tokenizer has {size} ids, expected {VOCAB_SIZE}"
-    return tok
+    return tok.to_str()
 
 
-def write_tokenizer_files(tok: Tokenizer, out: Path) -> None:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out`."""
+def write_tokenizer_files(
+    tok: Tokenizer,
+    out: Path,
+    template: str | None = None,
+    *,
+    eos_token: str = EOS_TOKEN,
+    pad_token: str = PAD_TOKEN,
+    extra: dict[str, object] | None = None,
+) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out`,
+    with `template` (the Hermes one when None) as the chat template and `extra` keys added
+    to tokenizer_config.json (e.g. mlx-lm's tool_parser_type)."""
     out.joinpath("tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     added = {
-        str(tok.token_to_id(t)): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": t in CONTROL_TOKENS,
+        str(token_id): {
+            "content": t.content,
+            "lstrip": t.lstrip,
+            "normalized": t.normalized,
+            "rstrip": t.rstrip,
+            "single_word": t.single_word,
+            "special": t.special,
         }
-        for t in SPECIAL_TOKENS
+        for token_id, t in sorted(tok.get_added_tokens_decoder().items())
     }
     config = {
         # Explicit class: otherwise transformers picks one from config.json's model_type
@@ -105,17 +125,18 @@ def write_tokenizer_files(tok: Tokenizer, out: Path) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
         "bos_token": None,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
+        "eos_token": eos_token,
+        "pad_token": pad_token,
         "unk_token": None,
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": MAX_POSITIONS,
-        "chat_template": chat_template(),
+        "chat_template": chat_template() if template is None else template,
+        **(extra or {}),
     }
     _write_json(out / "tokenizer_config.json", config)
-    _write_json(out / "special_tokens_map.json", {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN})
+    _write_json(out / "special_tokens_map.json", {"eos_token": eos_token, "pad_token": pad_token})
 
 
 def _write_json(path: Path, obj: object) -> None:
