@@ -143,6 +143,11 @@ class OutputParser:
         self._state = initial
         self._tool_text = ""
         self._strip = False
+        # Newlines ending the answer text so far: layout if a call comes next (templates
+        # put their own before a call), text otherwise. Held so a re-rendered history
+        # matches what the model wrote, and the next turn's cache hit reaches past it.
+        self._held = ""
+        self._before_call = ""
         self._harmony = harmony.Channels(bool(tools)) if fmt.harmony else None
 
     @property
@@ -167,6 +172,9 @@ class OutputParser:
             # A call the output ended inside: complete when the family ends calls with the
             # output (Mistral, harmony's <|call|>), cut off when max_tokens ended it.
             parts += self._end_call(cut_off=finish_reason == "length", closed=False)
+        if self._held:
+            parts.append(Part("text", self._held))
+            self._held = ""
         return parts
 
     def _take(self, segments: list[tuple[str | None, str]]) -> list[Part]:
@@ -175,6 +183,11 @@ class OutputParser:
             if i > 0:  # a marker closed the span before this one
                 parts += self._close(self._state)
                 self._state = state or "normal"
+                if self._state == "tool":
+                    self._before_call, self._held = self._held, ""
+                elif self._held:
+                    parts.append(Part("text", self._held))
+                    self._held = ""
             if self._harmony is not None:
                 parts += self._harmony_text(self._state, text)
                 continue
@@ -186,6 +199,11 @@ class OutputParser:
                 if not text:
                     continue
                 self._strip = False
+            if self._state != "reasoning":
+                text = self._held + text
+                body = text.rstrip(_LAYOUT)
+                self._held = text[len(body) :]
+                text = body
             if text:
                 parts.append(Part("reasoning" if self._state == "reasoning" else "text", text))
         return parts
@@ -211,6 +229,8 @@ class OutputParser:
             markup = (self._fmt.tool_call_start or "") + body + end
             calls = None if cut_off else self._parse(body)
         self._strip = True
+        if calls is not None:
+            self._before_call = ""
         if calls is None:
             why = "cut off by max_tokens" if cut_off else "rejected by the parser"
             log.warning(
@@ -219,6 +239,8 @@ class OutputParser:
                 why,
                 len(markup),
             )
+            markup = self._before_call + markup
+            self._before_call = ""
             return [Part("text", markup)] if markup else []
         parts = []
         for call in calls:
