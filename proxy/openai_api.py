@@ -203,17 +203,23 @@ def thinking_kwargs(body: dict) -> dict[str, Any]:
     kwargs = dict(f.get_dict(body, "chat_template_kwargs", {}) or {})
     effort = f.get_str(body, "reasoning_effort", None)
     if effort is not None:
-        if effort not in REASONING_EFFORTS:
-            raise ApiError(
-                400,
-                f"reasoning_effort: expected one of {', '.join(REASONING_EFFORTS)}",
-                param="reasoning_effort",
-            )
-        kwargs.setdefault("enable_thinking", effort not in ("none", "minimal"))
+        thinking_for_effort(kwargs, effort, "reasoning_effort")
     return kwargs
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def thinking_for_effort(kwargs: dict[str, Any], effort: str, where: str) -> None:
+    """A reasoning effort as the template's enable_thinking ("none" and "minimal" turn it
+    off), unless `kwargs` (the client's chat_template_kwargs) already say."""
+    if effort not in REASONING_EFFORTS:
+        raise ApiError(
+            400,
+            f"{where}: expected one of {list(REASONING_EFFORTS)}, got {f.short(effort)}",
+            param=where,
+        )
+    kwargs.setdefault("enable_thinking", effort not in ("none", "minimal"))
 
 
 def _common(body: dict, request: web.Request) -> dict[str, Any]:

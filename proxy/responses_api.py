@@ -25,7 +25,7 @@ from engine_bridge.types import EngineError, GenerationRequest
 from . import fields as f
 from .errors import ApiError, api_error
 from .generation import Generation, bounded_id, request_options, session_id, start
-from .openai_api import parse_sampling
+from .openai_api import parse_sampling, thinking_for_effort
 from .responses_items import (
     ToolSet,
     arrange,
@@ -46,7 +46,6 @@ STORE_CAPACITY = 256
 # the scheduler reserves room for prompt + max_tokens: a 256k context would be reserved
 # whole for every turn. Codex's longest turns (a large patch) stay well below this.
 DEFAULT_MAX_OUTPUT = 32768
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # After the generic session headers: a thread is one conversation (Codex runs sub-agents as
 # threads of one session, and the request log compares each session's turns in order).
 THREAD_HEADERS = ("thread-id", "conversation_id")
@@ -121,14 +120,7 @@ def _template_kwargs(body: dict) -> tuple[dict[str, Any], dict[str, Any] | None]
         return kwargs, None
     effort = f.get_str(reasoning, "effort", None, where="reasoning.effort")
     if effort is not None:
-        if effort not in EFFORTS:
-            raise ApiError(
-                400,
-                f"reasoning.effort: expected one of {list(EFFORTS)}, got {f.short(effort)}",
-                param="reasoning.effort",
-            )
-        # chat_template_kwargs, when it says, wins: it is the template's own switch.
-        kwargs.setdefault("enable_thinking", effort not in ("none", "minimal"))
+        thinking_for_effort(kwargs, effort, "reasoning.effort")
         if effort in ("low", "medium", "high", "xhigh"):  # gpt-oss's harmony template
             kwargs.setdefault("reasoning_effort", "high" if effort == "xhigh" else effort)
     return kwargs, {"effort": effort, "summary": reasoning.get("summary")}
