@@ -59,6 +59,10 @@ class RenderedPrompt:
     # Real ids, images and positions when the prompt has images; `tokens` then holds the
     # ids the cache keys on (vision_prompt.py).
     vision: VisionPrompt | None = None
+    # Token index where the generation prompt opens a reasoning block (Qwen3.6's `<think>`),
+    # or None. Templates that open one drop it from the turn when it is history, so the next
+    # turn leaves this prompt right there: a snapshot model needs a checkpoint at this token.
+    reply_opens_at: int | None = None
 
     def message_at(self, token_index: int) -> int | None:
         """The index of the message that contains `token_index`, if known."""
@@ -119,7 +123,19 @@ def render_chat(
         if t > 0 and ends[t - 1] == length and t > starts[-1]:
             starts.append(t)
             index.append(i)
-    return RenderedPrompt(tokens, text, starts, index)
+    opens = _reply_opens_at(tokenizer, text, ends) if chat else None
+    return RenderedPrompt(tokens, text, starts, index, reply_opens_at=opens)
+
+
+def _reply_opens_at(tokenizer: Any, text: str, ends: list[int]) -> int | None:
+    """The token where a generation prompt that ends inside an opened reasoning block opens it."""
+    think = getattr(tokenizer, "think_start", None)
+    body = text.rstrip()
+    if not think or not body.endswith(think):
+        return None
+    char = len(body) - len(think)
+    t = bisect.bisect_right(ends, char)
+    return t if t > 0 and ends[t - 1] == char else None
 
 
 def render_completion(tokenizer: Any, prompt: str) -> RenderedPrompt:

@@ -181,7 +181,10 @@ class CacheSession:
         if not self.owner.needs_checkpoint:
             return []
         interval = self.owner.policy.checkpoint_interval
-        points = set(self.job.prompt.message_starts)
+        prompt = self.job.prompt
+        points = set(prompt.message_starts)
+        if prompt.reply_opens_at is not None:
+            points.add(prompt.reply_opens_at)
         points.update(range(interval, len(self.chain), interval))
         return sorted(points)
 
@@ -238,13 +241,19 @@ class CacheSession:
         if point is SavePoint.PREFILL:
             if not snapshots:
                 return None
-            if position in self.job.prompt.message_starts:
+            prompt = self.job.prompt
+            if position in prompt.message_starts or position == prompt.reply_opens_at:
                 return Reason.BOUNDARY
             if position % self.owner.policy.checkpoint_interval == 0:
                 return Reason.PERIODIC
             return None
         if position % self.bs == 0 and not snapshots:
             return None  # the blocks already hold everything a paged model needs
+        if point is SavePoint.PROMPT_END and snapshots and self.job.prompt.reply_opens_at:
+            # The next turn leaves this prompt where its reply opened <think>, a token or two
+            # back, and keeps that checkpoint. One here would supersede it, and would serve
+            # only a retry of this very prompt.
+            return None
         return Reason(point.value)  # prompt_end / generation_end
 
 

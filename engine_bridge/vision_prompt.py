@@ -341,4 +341,9 @@ def attach(
     prepared = [preprocess(image, spec, limits) for image in images]
     keyed, starts, vision = expand(prompt.tokens, prompt.message_starts, prepared, spec)
     vision = replace(vision, tenant=tenant)
-    return replace(prompt, tokens=keyed, message_starts=starts, vision=vision)
+    opens = prompt.reply_opens_at
+    if opens is not None:  # the generation prompt comes after every image
+        opens += len(keyed) - len(prompt.tokens)
+    return replace(
+        prompt, tokens=keyed, message_starts=starts, vision=vision, reply_opens_at=opens
+    )

@@ -45,6 +45,7 @@ class Outcome:
     text: str
     result: GenerationResult
     reached: int = 0  # where a cancelled request's prefill stopped
+    reply_opens_at: int | None = None  # where the generation prompt opens <think>
 
 
 class Driver:
@@ -148,6 +149,7 @@ class Driver:
             result.text,
             result,
             spy.reached,
+            job.prompt.reply_opens_at,
         )
 
     def has_snapshots(self, model: str) -> bool:
@@ -257,7 +259,10 @@ class HitModel:
             assert len(o.out) == o.result.completion_tokens > 0, "record cached requests only"
             end = n + len(o.out) - 1
             last = [(n - 1, "prompt_end"), (end, "generation_end")]
-        pauses = [(p, "boundary") for p in o.message_starts if o.cached < p <= end and p < n - 1]
+            if o.reply_opens_at is not None and self.snapshots:
+                last = last[1:]  # the checkpoint where the reply opened <think> stands for it
+        starts = [*o.message_starts, *([o.reply_opens_at] if o.reply_opens_at else [])]
+        pauses = [(p, "boundary") for p in starts if o.cached < p <= end and p < n - 1]
         periodic = range(self.interval, min(end + 1, n - 1), self.interval)
         pauses += [(p, "periodic") for p in periodic if p > o.cached]
         stored = _Stored(seq, end)

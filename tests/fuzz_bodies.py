@@ -229,7 +229,7 @@ def bodies(hostile: bool) -> dict[str, st.SearchStrategy]:
         optional={
             **openai_sampling,
             "tools": st.lists(openai_tool, max_size=2),
-            "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), junk),
+            "tool_choice": pick(st.sampled_from(["auto", "none", "required"]), junk),
             "chat_template_kwargs": pick(
                 st.just({"enable_thinking": False}), st.dictionaries(odd_text, junk, max_size=2)
             ),
@@ -318,7 +318,9 @@ def bodies(hostile: bool) -> dict[str, st.SearchStrategy]:
     conversation = {
         "system": st.one_of(text, st.lists(anthropic_text, max_size=2)),
         "tools": st.lists(anthropic_tool, max_size=2),
-        "tool_choice": st.one_of(
+        # A named choice must name one of the tools, which these bodies draw apart from it:
+        # only hostile bodies name one, as a wrong value.
+        "tool_choice": pick(
             st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "none"])}),
             st.fixed_dictionaries({"type": st.just("tool"), "name": odd_text}),
         ),
