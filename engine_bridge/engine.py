@@ -7,7 +7,7 @@ import concurrent.futures
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 from . import cache_probe, discovery, heap, kv, models, vision_prompt
@@ -75,6 +75,9 @@ class Engine:
         self.request_log = RequestLog(settings.alert_hit_ratio)
         self._forced = ForcedOutputs.from_env()  # tests only
         self._caches: dict[str, ModelCache] = {}  # each loaded model's prompt cache
+        # Awaited before a model loads in-process, with what is about to load: the proxy
+        # asks LM Studio to let go of its own copy of the same weights (proxy/lmstudio_rest.py).
+        self.before_load: Callable[[models.ModelRef], Awaitable[None]] | None = None
         # Called with every finished request (on the MLX thread): metrics, request logs.
         self.result_listeners: list[Callable[[GenerationRequest, GenerationResult], None]] = []
         # The one thread that runs MLX work (loading, prefill, decode) for every model.
@@ -152,6 +155,8 @@ class Engine:
             raise EngineError(f"model {model_id!r} is not served here", field="model", status=404)
         async with entry.loading:
             if entry.runner is None:
+                if self.before_load is not None:
+                    await self.before_load(entry.ref)
                 loaded = await self._on_mlx(models.load, entry.ref)
                 if loaded.vision is not None and self.settings.cache_enabled:
                     ram, ssd = self.tiers.ram, self.tiers.ssd
