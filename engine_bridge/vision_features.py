@@ -18,6 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -25,9 +26,11 @@ from .cache.index import Scope
 from .cache.kinds import EntryKind
 from .cache.manager import CacheManager
 from .cache.shared_config import SharedWritePolicy
-from .cache.shared_tier import SharedTier
 from .cache.ssd import SSDStore
 from .kv.host import PayloadFormatError, tensor_from_host, tensor_to_host
+
+if TYPE_CHECKING:
+    from .cache.shared_tier import SharedTier
 
 log = logging.getLogger("engine_bridge.vision")
 

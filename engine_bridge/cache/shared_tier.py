@@ -28,11 +28,12 @@ from engine_bridge.cache.hashing import Chain
 from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
 from engine_bridge.cache.shared_config import SharedWritePolicy
-from engine_bridge.cache.shared_store import SharedStats, SharedStore
 from engine_bridge.cache.ssd import SSDEntry, SSDStore
 from engine_bridge.cache.tensors import HostTensor
 
 if TYPE_CHECKING:
+    # shared_store imports redis (the shared extra); this module is imported without it.
+    from engine_bridge.cache.shared_store import SharedStats, SharedStore
     from engine_bridge.cache.manager import Entry
     from engine_bridge.cache.matching import Match
 
