@@ -193,10 +193,14 @@ class Engine:
                     continue
                 entry.runner = None
                 self.scheduler.remove(runner)
+                # The prompt cache's ModelCache holds the LoadedModel; its blocks and
+                # checkpoints live in the shared tiers, keyed by the model's fingerprint,
+                # and a reload makes a new ModelCache over them.
+                self._caches.pop(model_id, None)
             idle_for = now - runner.last_used
             if runner.loaded.vision is not None:
                 runner.loaded.vision.feature_cache.unbind()  # its RAM goes back to the budget
-            del runner  # the last reference: the weights go with it
+            del runner  # the last reference: the weights go with it (test_idle_unload)
             await self._on_mlx(release_memory)
             log.info("unloaded %s after %.0fs idle", model_id, idle_for)
             unloaded.append(model_id)

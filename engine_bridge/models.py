@@ -58,7 +58,7 @@ class ModelRef:
     is_demo: bool = False
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)  # tests watch an unloaded model die
 class LoadedModel:
     id: str
     path: Path

@@ -49,3 +49,32 @@ def test_idle_model_unloads_and_reload_keeps_cache_hits(demo_root, tmp_path):
     # The shared system prompt was cached before the unload and still is after it.
     assert second.cached_tokens >= 128
     assert second.source == "ram"
+
+
+def test_an_idle_unload_leaves_no_reference_to_the_model(demo_root):
+    """Nothing keeps the weights once a model is unloaded: the ModelCache that held the
+    LoadedModel goes with it, while its blocks stay in the RAM tier for the reload."""
+    import gc
+    import weakref
+
+    async def scenario():
+        engine = Engine(
+            EngineSettings(cache_dir=demo_root, model_specs=["demo-llama"], ssd_enabled=False)
+        )
+        try:
+            await _generate(engine, "first question")
+            loaded = engine.loaded("demo-llama")
+            refs = weakref.ref(loaded), weakref.ref(loaded.model)
+            blocks = engine.tiers.ram.stats().blocks if hasattr(engine.tiers.ram, "stats") else None
+            del loaded
+            assert await engine.unload_idle(0.0) == ["demo-llama"]
+            gc.collect()
+            assert [r() for r in refs] == [None, None]
+            if blocks is not None:
+                assert engine.tiers.ram.stats().blocks == blocks
+            again = await _generate(engine, "second question")
+            assert again.cached_tokens >= 128 and again.source == "ram"
+        finally:
+            await engine.close()
+
+    asyncio.run(scenario())
