@@ -44,13 +44,12 @@ def test_engine_and_cli_import_without_the_extras(blocked_env):
         import proxy.app, proxy.cli, proxy.wiring
         from proxy.cli import build_parser
         build_parser().parse_args(["serve"])
-        leaked = [m for m in sys.modules if m.split(".")[0] in %r and sys.modules[m]]
+        leaked = [m for m in sys.modules if m.split(".")[0] in BLOCKED and sys.modules[m]]
         assert not leaked, leaked
         print("imported")
         import redis
         """
-        % (EXTRAS,)
-    )
+    ).replace("BLOCKED", repr(EXTRAS))
     r = subprocess.run(
         [sys.executable, "-c", code],
         env={**_env(), **blocked_env},
@@ -86,9 +85,7 @@ def test_the_server_answers_both_dialects_without_the_extras(demo_root, tmp_path
     assert "Traceback" not in server.log()
 
 
-def test_a_setting_whose_extra_is_missing_stops_the_start_with_the_pip_line(
-    tmp_path, blocked_env
-):
+def test_a_setting_whose_extra_is_missing_stops_the_start_with_the_pip_line(tmp_path, blocked_env):
     config = tmp_path / "shared.toml"
     config.write_text('[cache.shared]\nurl = "redis://127.0.0.1:6379/0"\n')
     r = subprocess.run(

@@ -33,9 +33,9 @@ from engine_bridge.cache.tensors import HostTensor
 
 if TYPE_CHECKING:
     # shared_store imports redis (the shared extra); this module is imported without it.
-    from engine_bridge.cache.shared_store import SharedStats, SharedStore
     from engine_bridge.cache.manager import Entry
     from engine_bridge.cache.matching import Match
+    from engine_bridge.cache.shared_store import SharedStats, SharedStore
 
 # Blocks asked about in the first round trip of a lookup, then four times as many.
 _BLOCK_STEP = 64
