@@ -19,7 +19,10 @@ _WAIT_S = 120.0  # polls for a state the server reaches on its own, not timing
 
 def chat(server, messages: list[dict], *, bypass: bool = False) -> httpx.Response:
     headers = {"x-prompt-cache": "bypass"} if bypass else {}
+    # Thinking off: the prompt then ends past `<think></think>`, so its end is a plain
+    # prompt-end checkpoint (held back), not the reply-open boundary (written at once).
     body = {"model": HYBRID, "messages": messages, "max_tokens": 8, "temperature": 0}
+    body["chat_template_kwargs"] = {"enable_thinking": False}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=300)
     assert r.status_code == 200, r.text
     return r
