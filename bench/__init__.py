@@ -186,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
         produced = run_one(name, settings)
         results += produced
         for r in produced:
+            if r.skipped is not None:
+                progress(f"[{name}] skipped: {r.skipped}")
+                continue
             head = report.main_table([r]).splitlines()[-1]
             progress(f"[{name}] done in {r.seconds:.0f}s {head}")
         meta["duration_s"] = time.perf_counter() - started
@@ -199,6 +202,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"plot: {p}")
     if written["plot_note"]:
         print(written["plot_note"])
+    for r in results:
+        if r.skipped is not None:
+            print(f"skipped: {r.scenario}: {r.skipped}", file=sys.stderr)
+    # A skipped scenario has no errors: the status is that of the scenarios that ran.
     errors = [f"{r.scenario} ({r.model}): {e}" for r in results for e in r.errors]
     for e in errors:
         print(f"error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .prerequisites import MATPLOTLIB
 from .results import ScenarioResult
 from .servers import LABELS
 
@@ -21,16 +22,13 @@ STYLE = {
 
 
 def plot_all(out: Path, results: list[ScenarioResult]) -> tuple[list[Path], str | None]:
-    try:
-        import matplotlib
+    if not MATPLOTLIB.found():
+        return [], f"Plots skipped: {MATPLOTLIB.reason}."
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return (
-            [],
-            "Plots skipped: matplotlib is not installed (pip install 'mlx-prompt-cache[bench]').",
-        )
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     written = []
     chats = [r for r in results if r.scenario.endswith("chat") and r.samples]
     agents = [r for r in results if r.scenario == "agent" and r.samples]

@@ -138,6 +138,10 @@ def main_table(results: list[ScenarioResult]) -> str:
     head = ["scenario", "model", "metric", *(HEADERS[c] for c in cols), "ratios"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
+        if r.skipped is not None:
+            cells = [r.scenario, r.model, "skipped: " + r.skipped]
+            lines.append("| " + " | ".join(cells + ["—"] * (len(cols) + 1)) + " |")
+            continue
         if not r.rows:
             cells = [r.scenario, r.model, "failed: " + "; ".join(r.errors)[:200]]
             lines.append("| " + " | ".join(cells + ["—"] * (len(cols) + 1)) + " |")
@@ -150,6 +154,8 @@ def main_table(results: list[ScenarioResult]) -> str:
 
 
 def details(r: ScenarioResult) -> str:
+    if r.skipped is not None:
+        return f"### {r.scenario} — skipped\n\n- **skipped**: {r.skipped}"
     cols = [c for c in COLUMNS if any(c in row.values for row in r.rows)]
     head = ["metric", *(HEADERS[c] for c in cols), "ratios", "note"]
     lines = [f"### {r.scenario} — {r.model} ({r.seconds:.0f} s)", ""]

@@ -56,6 +56,8 @@ class ScenarioResult:
     servers: dict[str, dict[str, Number | str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    # Why it did not run (a missing prerequisite, see prerequisites.py); None when it ran.
+    skipped: str | None = None
     seconds: float = 0.0
     # perf_counter() when the scenario began; the report leaves it out.
     t0: float = field(default_factory=time.perf_counter)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from . import traces
 from .harness import Harness, Settings, chars_per_token, probe, stats
+from .prerequisites import skip_reason
 from .results import Row, ScenarioResult, mean, ratio, total
 from .servers import KINDS, ModelSpec
 
@@ -252,6 +253,10 @@ def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
 
 
 def run_one(name: str, settings: Settings) -> list[ScenarioResult]:
+    """Run scenario `name`, or a result that says why it was skipped, before it starts."""
+    reason = skip_reason(name)
+    if reason is not None:
+        return [ScenarioResult(name, settings.model.id, skipped=reason)]
     produced = guarded(name, settings.model, lambda: registry()[name](settings, settings.model))
     return produced if isinstance(produced, list) else [produced]
 

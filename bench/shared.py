@@ -18,24 +18,19 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from . import servers, traces
 from .harness import Harness, Settings, chars_per_token, stats
 from .results import Row, ScenarioResult, ratio
 from .servers import ModelSpec, Server
+from .shared_redis import RedisServer
 from .shared_relay import DelayRelay
-
-if TYPE_CHECKING:
-    from .shared_redis import RedisServer
 
 # One-way delays the relay adds: loopback as it is, then a wired LAN's round trip.
 NETWORKS = (("loopback", 0.0), ("LAN, +2 ms round trip", 0.001))
 
 
 def shared(settings: Settings, model: ModelSpec) -> ScenarioResult:
-    from .shared_redis import RedisServer  # imports redis (the shared extra)
-
     result = ScenarioResult("shared", model.id)
     prefix = settings.size(1500, 8000)
     trace = traces.chat_trace(settings.seed + 3, 3, prefix, chars_per_token(model))

@@ -57,16 +57,14 @@ def _messages(trace: traces.ChatTrace, turn: int, data_url: str) -> list[dict[st
 
 
 def vision(settings: Settings, model: ModelSpec) -> ScenarioResult:
-    from engine_bridge.vision_prompt import available, vision_status
+    from engine_bridge.vision_prompt import vision_status
 
     from . import resolve_model
 
-    if available() and vision_status(_config(model)) != "yes":
+    # mlx-vlm is installed: run_one skips this scenario otherwise (prerequisites.NEEDS).
+    if vision_status(_config(model)) != "yes":
         model = resolve_model("demo-vision", settings.out / "models")
     result = ScenarioResult("vision", model.id)
-    if not available():
-        result.errors.append("the vision scenario needs the vision extra (mlx-vlm)")
-        return result.finish()
     turns = settings.size(4, 10)
     trace = traces.chat_trace(settings.seed, turns, settings.size(300, 2000))
     url = "data:image/png;base64," + base64.b64encode(screenshot_png(settings.seed)).decode()

@@ -5,22 +5,26 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from pydantic import TypeAdapter
 
-from bench import concurrency, scenario_names, traces
+from bench import SCENARIOS, concurrency, scenario_names, traces
 from bench.agent_tools import TOOL_NAMES
 from bench.harness import Settings
 from bench.plots import plot_all
-from bench.report import details
+from bench.prerequisites import skip_reason
+from bench.report import details, main_table, to_json
+from bench.scenarios import run_one
 from bench.servers import KINDS, ModelSpec
 from bench.ssd_reload import bench_startup, run
 
-REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent
 QUICK_SCENARIOS = ("chat", "agent", "share", "overhead", "restart")
 SERVERS_BY_SCENARIO = {
     "chat": {"ours", "nocache", "mlx_lm"},
@@ -284,3 +288,122 @@ def test_concurrency_scenario_reports_every_part_for_every_server(tmp_path, demo
     assert concurrency.HOL_ROW in details(result)
     plots, skipped = plot_all(tmp_path, [result])
     assert skipped or [p.name for p in plots] == ["concurrency.png"]
+
+
+# What a machine without the optional parts is told (bench/prerequisites.py).
+NO_REDIS_SERVER = (
+    "redis-server not found; install it with `brew install redis` (macOS) "
+    "or `apt-get install redis-server`"
+)
+NO_REDIS = "redis (the Python package) missing; pip install 'mlx-prompt-cache[shared]'"
+NO_MLX_VLM = "mlx-vlm missing; pip install 'mlx-prompt-cache[vision]'"
+NO_MATPLOTLIB = "Plots skipped: matplotlib missing; pip install 'mlx-prompt-cache[bench]'."
+OPTIONAL_MODULES = ("redis", "mlx_vlm", "matplotlib")
+
+
+def path_without(program: str) -> str:
+    """$PATH less every folder that holds `program`: absent for the run, not uninstalled."""
+    folders = os.environ.get("PATH", "").split(os.pathsep)
+    return os.pathsep.join(d for d in folders if d and not (Path(d) / program).exists())
+
+
+def test_scenarios_whose_prerequisites_are_absent_are_skipped_before_they_start(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("PATH", path_without("redis-server"))
+    for module in OPTIONAL_MODULES:
+        monkeypatch.setitem(sys.modules, module, None)  # `import module` now fails
+    assert shutil.which("redis-server") is None
+    assert {n: skip_reason(n) for n in SCENARIOS} == {
+        **dict.fromkeys(SCENARIOS),
+        "shared": f"{NO_REDIS_SERVER}. {NO_REDIS}",
+        "vision": NO_MLX_VLM,
+    }
+    # No model on disk: a scenario that started anything would fail, not skip.
+    model = ModelSpec("demo-llama", tmp_path / "absent-model", is_demo=True)
+    settings = Settings(tmp_path, model, [])
+    (shared,) = run_one("shared", settings)
+    (vision,) = run_one("vision", settings)
+    assert [(r.scenario, r.skipped, r.errors, r.samples) for r in (shared, vision)] == [
+        ("shared", f"{NO_REDIS_SERVER}. {NO_REDIS}", [], []),
+        ("vision", NO_MLX_VLM, [], []),
+    ]
+    assert list(tmp_path.iterdir()) == [], "a skipped scenario writes nothing"
+    assert main_table([shared, vision]).splitlines()[2:] == [
+        f"| shared | demo-llama | skipped: {NO_REDIS_SERVER}. {NO_REDIS} | — |",
+        f"| vision | demo-llama | skipped: {NO_MLX_VLM} | — |",
+    ]
+    assert details(vision) == f"### vision — skipped\n\n- **skipped**: {NO_MLX_VLM}"
+    scenarios = to_json([shared, vision], {})["scenarios"]
+    assert [(s["scenario"], s["skipped"], s["errors"]) for s in scenarios] == [
+        ("shared", f"{NO_REDIS_SERVER}. {NO_REDIS}", []),
+        ("vision", NO_MLX_VLM, []),
+    ]
+    assert plot_all(tmp_path, [shared, vision]) == ([], NO_MATPLOTLIB)
+
+
+def test_shared_scenario_names_whichever_redis_part_is_missing(tmp_path, monkeypatch):
+    stub = tmp_path / "bin" / "redis-server"  # found on PATH, never run
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\nexit 1\n")
+    stub.chmod(0o755)
+    monkeypatch.setenv("PATH", str(stub.parent))
+    assert skip_reason("shared") is None  # the test extra installs the redis package
+    monkeypatch.setitem(sys.modules, "redis", None)
+    assert skip_reason("shared") == NO_REDIS
+    monkeypatch.delitem(sys.modules, "redis")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert skip_reason("shared") == NO_REDIS_SERVER
+
+
+def test_bench_imports_no_optional_package_until_a_scenario_needs_it():
+    code = (
+        "import sys, bench, bench.report, bench.plots, bench.scenarios;"
+        " bench.build_parser(); bench.scenarios.registry();"
+        f" print(sorted(m for m in sys.modules if m.split('.')[0] in {OPTIONAL_MODULES!r}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_bench_without_redis_or_mlx_vlm_skips_their_scenarios_and_exits_0(tmp_path, demo_root):
+    # The bench in its own process, where importing redis, mlx_vlm or matplotlib fails,
+    # with redis-server off PATH: shared and vision are skipped, chat runs for real.
+    code = (
+        "import sys\n"
+        f"for m in {OPTIONAL_MODULES!r}: sys.modules[m] = None\n"
+        "from bench import main\n"
+        "raise SystemExit(main(sys.argv[1:]))\n"
+    )
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-c", code, "--quick", "--max-tokens", "2", "--model", "demo-llama",
+           "--scenarios", "shared,vision,chat", "--out", str(out),
+           "--models-dir", str(demo_root / "models")]  # fmt: skip
+    env = {**os.environ, "PATH": path_without("redis-server")}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    data = json.loads((out / "results.json").read_text())
+    scenarios = data["scenarios"]
+    assert [(s["scenario"], s["skipped"], s["errors"]) for s in scenarios] == [
+        ("shared", f"{NO_REDIS_SERVER}. {NO_REDIS}", []),
+        ("vision", NO_MLX_VLM, []),
+        ("chat", None, []),
+    ]
+    chat = scenarios[2]
+    assert {s["server"] for s in chat["samples"]} == SERVERS_BY_SCENARIO["chat"]
+    assert all(s["ok"] for s in chat["samples"])
+    assert data["meta"]["plot_note"] == NO_MATPLOTLIB
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["results.json", "results.md"]
+    assert f"skipped: shared: {NO_REDIS_SERVER}. {NO_REDIS}" in proc.stderr
+    assert f"skipped: vision: {NO_MLX_VLM}" in proc.stderr
+    table = proc.stdout.split("\n\nresults:")[0].splitlines()
+    assert table[2:4] == [
+        f"| shared | demo-llama | skipped: {NO_REDIS_SERVER}. {NO_REDIS} | — | — | — | — |",
+        f"| vision | demo-llama | skipped: {NO_MLX_VLM} | — | — | — | — |",
+    ]
+    assert table[4].startswith("| chat | demo-llama | mean TTFT of turns 2..N (s) | ")
+    md = (out / "results.md").read_text()
+    assert f"- **skipped**: {NO_MLX_VLM}" in md and NO_MATPLOTLIB in md

@@ -1,0 +1,69 @@
+"""What a scenario needs beyond the base install, checked before it starts.
+
+A scenario whose program or package is missing is skipped with the command that installs
+it, so a machine without Redis or mlx-vlm still runs, and passes, everything else. The
+checks find a package without importing it: an absent one must not be imported at all,
+and importing mlx-vlm alone takes seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Prerequisite:
+    """A program on PATH or an importable module, and how to install it."""
+
+    missing: str  # what the skip reason says is absent
+    install: str
+    program: str | None = None
+    module: str | None = None
+
+    def found(self) -> bool:
+        if self.program is not None:
+            return shutil.which(self.program) is not None
+        assert self.module is not None, self
+        return importable(self.module)
+
+    @property
+    def reason(self) -> str:
+        return f"{self.missing}; {self.install}"
+
+
+def importable(module: str) -> bool:
+    """Whether `import module` would find it; `sys.modules[module] = None` reads as absent."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # in sys.modules without a __spec__ (a stub): it imports
+        return True
+
+
+REDIS_SERVER = Prerequisite(
+    "redis-server not found",
+    "install it with `brew install redis` (macOS) or `apt-get install redis-server`",
+    program="redis-server",
+)
+REDIS = Prerequisite(
+    "redis (the Python package) missing", "pip install 'mlx-prompt-cache[shared]'", module="redis"
+)
+MLX_VLM = Prerequisite(
+    "mlx-vlm missing", "pip install 'mlx-prompt-cache[vision]'", module="mlx_vlm"
+)
+MATPLOTLIB = Prerequisite(
+    "matplotlib missing", "pip install 'mlx-prompt-cache[bench]'", module="matplotlib"
+)
+
+# Scenarios not named here need only the base install. Plots need MATPLOTLIB (plots.py).
+NEEDS: dict[str, tuple[Prerequisite, ...]] = {
+    "shared": (REDIS_SERVER, REDIS),
+    "vision": (MLX_VLM,),
+}
+
+
+def skip_reason(scenario: str) -> str | None:
+    """Why `scenario` cannot run here, naming what to install; None when it can."""
+    missing = [p.reason for p in NEEDS.get(scenario, ()) if not p.found()]
+    return ". ".join(missing) or None
