@@ -21,6 +21,7 @@ from .engine_settings import EngineSettings  # callers import it with Engine, fr
 from .forced_output import ForcedOutputs
 from .memory import HEAP_TRIM_S, MemoryGuard, default_kv_memory, mlx_memory, release_memory
 from .output_rules import call_marker_is_token, output_rule
+from .preflight import Preflight
 from .prompt import RenderedPrompt, render_chat, render_completion
 from .prompt_cache import ModelCache
 from .request_log import RequestLog
@@ -121,6 +122,7 @@ class Engine:
         # Held-back checkpoint writes that come due between requests go out on the MLX thread.
         self.tiers.call_on_mlx = self.scheduler.call
         self.memory = MemoryGuard(self.tiers, settings)
+        self.preflight = Preflight(settings, self.scheduler, self.tiers)
         self.sessions = SessionCache(
             self.tiers,
             pin_max_bytes=settings.pin_max_bytes or settings.ram_budget_bytes // 4,
@@ -157,6 +159,8 @@ class Engine:
             if entry.runner is None:
                 if self.before_load is not None:
                     await self.before_load(entry.ref)
+                if self.settings.memory_preflight:
+                    await self._make_room(entry.ref)
                 loaded = await self._on_mlx(models.load, entry.ref)
                 if loaded.vision is not None and self.settings.cache_enabled:
                     ram, ssd = self.tiers.ram, self.tiers.ssd
@@ -174,6 +178,21 @@ class Engine:
             entry.runner.last_used = time.monotonic()
         return entry.runner
 
+    async def _make_room(self, ref: models.ModelRef) -> None:
+        """Load only what fits: unload idle models for room, else refuse (preflight.py)."""
+        plan = self.preflight.check(ref)
+        unloaded: list[str] = []
+        if not plan.fits:
+            unloaded = await self.unload_idle(0.0, keep=ref.id)
+            if unloaded:
+                plan = self.preflight.check(ref)
+        if not plan.fits:
+            message = plan.refusal(unloaded)
+            log.warning("%s", message)
+            raise EngineError(message, field="model", status=503)
+        await self._on_mlx(self.preflight.apply, plan)
+        log.info("loading %s: %s", ref.id, plan.figures())
+
     def _record(self, req: GenerationRequest, result: GenerationResult) -> None:
         self.requests.record(result)
         for listener in self.result_listeners:
@@ -182,11 +201,14 @@ class Engine:
             except Exception:  # a listener's bug must not fail the request it observes
                 log.exception("result listener %r failed", listener)
 
-    async def unload_idle(self, idle_s: float) -> list[str]:
-        """Unload models unused for `idle_s` seconds; their cache stays on SSD (and in RAM)."""
+    async def unload_idle(self, idle_s: float, keep: str | None = None) -> list[str]:
+        """Unload models unused for `idle_s` seconds, but `keep` (loading, its lock held);
+        their cache stays on SSD (and in RAM)."""
         unloaded = []
         now = time.monotonic()
-        for model_id, entry in self._entries.items():
+        for model_id, entry in list(self._entries.items()):
+            if model_id == keep:
+                continue
             async with entry.loading:
                 runner = entry.runner
                 if runner is None or runner.active_jobs or now - runner.last_used < idle_s:
@@ -410,7 +432,7 @@ class Engine:
             "hit_ratio": req["hit_ratio"],
             "cache_enabled": self.settings.cache_enabled,
             "scheduler": self._scheduler_stats(),
-            "memory": asdict(self.memory.pressure) | mlx_memory(),
+            "memory": asdict(self.memory.pressure) | mlx_memory() | self.preflight.stats(),
             **asdict(self.tiers.stats()),
             "models": self.model_ids,
             "vision": self._vision_stats(),

@@ -20,6 +20,12 @@ class EngineSettings:
     cache_enabled: bool = True
     serve_all_mlx: bool = False
     ram_budget_bytes: int = 1 << 30
+    # `[cache.ram] budget` as a share ("20%"): of what a model's weights leave, derived at
+    # each load by the memory preflight; None: ram_budget_bytes is a size, taken as given.
+    ram_budget_share: float | None = None
+    # Before each load, check weights + K/V + RAM tier budgets against free memory
+    # (preflight.py): unload idle models, then refuse with a 503 rather than swap.
+    memory_preflight: bool = True
     # Under memory pressure (the system's available memory below this), the RAM tier
     # shrinks, spilling to SSD, instead of the OS killing the process; None: no guard.
     ram_min_available_bytes: int | None = None

@@ -50,6 +50,13 @@ def resolve_ram_budget(spec: str | int, available_bytes: int) -> int:
     return parse_size(spec)
 
 
+def ram_share(spec: str | int) -> float | None:
+    """The RAM budget's share as a fraction when it is given as one ("20%"); None for a size."""
+    if isinstance(spec, str) and spec.strip().endswith("%"):
+        return float(spec.strip()[:-1].strip()) / 100
+    return None
+
+
 def resolve_share_of_ram(spec: str | int, total_bytes: int, what: str = "KV memory") -> int:
     """Bytes from ``"30%"`` of all RAM, or a size; `what` names the setting in errors."""
     if isinstance(spec, str) and spec.strip().endswith("%"):

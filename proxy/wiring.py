@@ -19,6 +19,7 @@ from .state import ProxySettings
 from .units import (
     parse_duration,
     parse_size,
+    ram_share,
     resolve_kv_memory,
     resolve_min_available,
     resolve_ram_budget,
@@ -49,6 +50,8 @@ def engine_settings(config: Config) -> EngineSettings:
         idle_unload_s=config.models.idle_unload_s,
         cache_enabled=cache.enabled,
         ram_budget_bytes=resolve_ram_budget(cache.ram.budget, ram.available),
+        # A share is of what the weights leave, derived at each load (engine_bridge/preflight.py).
+        ram_budget_share=ram_share(cache.ram.budget),
         ram_min_available_bytes=None
         if cache.ram.min_available == "off"
         else resolve_min_available(cache.ram.min_available, ram.total),

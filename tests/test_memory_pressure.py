@@ -50,6 +50,7 @@ def test_pressure_shrinks_the_ram_tier_to_ssd_and_answers_stay_equal(
             model_specs=[MODEL],
             ram_budget_bytes=budget,
             ram_min_available_bytes=2 * total,  # more than this machine has: always pressure
+            memory_preflight=False,  # which would rightly refuse to load under that floor
             ram_pressure_min_budget_bytes=0,
             memory_check_s=0.05,
             ssd_write_through=write_through,
@@ -101,6 +102,7 @@ def test_a_shrink_evicts_to_ssd_when_the_tier_holds_more_than_the_shortfall(demo
             ram_budget_bytes=256 << 20,
             ram_min_available_bytes=1 << 40,
             ram_pressure_min_budget_bytes=0,
+            memory_preflight=False,  # the floor is beyond any machine: no load would fit
         )
     )
     loop = asyncio.Runner()
