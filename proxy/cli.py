@@ -1,4 +1,4 @@
-"""`mlx-prompt-cache` command line: serve, cache, models, bench."""
+"""`mlx-prompt-cache` command line: serve, cache, models, doctor, bench."""
 
 from __future__ import annotations
 
@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--cache-dir", type=Path, help="cache directory (default from config)")
     cache.add_argument("--model", help="clear: only this model fingerprint")
     cache.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor = sub.add_parser(
+        "doctor",
+        help="what is loaded where (here and in LM Studio), memory figures, extras and servers",
+    )
+    doctor.add_argument("--config", type=Path, help="TOML config file")
+    doctor.add_argument("--json", action="store_true", help="one JSON object instead of text")
     # Listed for --help only: main() hands `bench ARGS` to the bench package's own parser,
     # so that serve never imports the benchmark.
     sub.add_parser(
@@ -91,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         return list_models(args)
     if args.command == "cache":
         return cache_command(args)
+    if args.command == "doctor":
+        return doctor_command(args)
     return 2
 
 
@@ -143,6 +151,20 @@ def cache_command(args: argparse.Namespace) -> int:
             if args.json
             else f"removed {removed} entries from {root}"
         )
+    return 0
+
+
+def doctor_command(args: argparse.Namespace) -> int:
+    """`doctor`: what is loaded where, memory, extras and servers (proxy/doctor.py)."""
+    import json
+
+    from .doctor import diagnose, render
+
+    config = _load(args)
+    if config is None:
+        return 2
+    report = asyncio.run(diagnose(config))
+    print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
 
 
@@ -240,7 +262,7 @@ def serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .logs import setup_logging
     from .security import browser_policy, is_loopback_bind
-    from .wiring import engine_settings, proxy_settings
+    from .wiring import before_load_hook, engine_settings, proxy_settings
 
     setup_logging(config.server.log_level, config.server.log_json)
     server = config.server
@@ -268,6 +290,7 @@ def serve(args: argparse.Namespace) -> int:
     except EngineError as e:
         print(f"mlx-prompt-cache: {e.message}", file=sys.stderr)
         return 2
+    engine.before_load = before_load_hook(config)
     app = create_app(engine, proxy_settings(config), config.upstream, policy)
     asyncio.run(_run(app, config.server.host, config.server.port))
     # Everything is drained and closed by now. Skip interpreter finalization: MLX frees a

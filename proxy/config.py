@@ -81,6 +81,12 @@ class UpstreamConfig:
     # response: a long generation streams for minutes and must not be cut off.
     timeout_s: float = 600.0
     connect_timeout_s: float = 2.0
+    # LM Studio's API token (its server's "Require authentication" setting), sent as
+    # `Authorization: Bearer` on its REST API (/api/v1, /api/v0); None: no token.
+    api_token: str | None = None
+    # Before a model loads here, LM Studio unloads its own instances of the same model, so
+    # the Mac holds one copy of the weights (proxy/one_copy.py); false leaves LM Studio be.
+    unload_duplicates: bool = True
 
 
 @dataclass(slots=True)

@@ -62,6 +62,13 @@ def validate(config: Config, origins: Origins) -> None:
     )
     check("upstream.timeout_s", u.timeout_s > 0, "must be positive")
     check("upstream.connect_timeout_s", u.connect_timeout_s > 0, "must be positive")
+    if u.api_token is not None:
+        # It goes into a header: whitespace or control characters would break or split it.
+        check(
+            "upstream.api_token",
+            re.fullmatch(r"[\x21-\x7e]+", u.api_token) is not None,
+            "must be printable ASCII without spaces (LM Studio's API token)",
+        )
     idle = config.models.idle_unload_s
     check("models.idle_unload_s", idle is None or idle > 0, "must be positive")
     e = config.engine

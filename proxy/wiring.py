@@ -15,6 +15,7 @@ from engine_bridge.vision_prompt import VisionLimits
 
 from .config import Config
 from .config_shared import shared_settings
+from .one_copy import UnloadDuplicates
 from .state import ProxySettings
 from .units import (
     parse_duration,
@@ -99,3 +100,11 @@ def proxy_settings(config: Config) -> ProxySettings:
         tenant_api_keys=dict(config.tenants.api_keys),
         default_tenant=config.tenants.default,
     )
+
+
+def before_load_hook(config: Config) -> UnloadDuplicates | None:
+    """What the engine awaits before each load: LM Studio unloads its copy of the model."""
+    upstream = config.upstream
+    if not (upstream.enabled and upstream.unload_duplicates):
+        return None
+    return UnloadDuplicates(upstream.url, upstream.api_token, upstream.connect_timeout_s)

@@ -1,0 +1,255 @@
+"""`mlx-prompt-cache doctor`: what is loaded where, the memory figures, the extras and
+servers present, as a report a person reads (or one JSON object with --json).
+
+Nothing here loads a model or imports an optional extra: models are resolved to their
+folders and sized on disk, extras are looked up with `importlib.util.find_spec`, and the
+running server (if any) and LM Studio are asked over HTTP with short timeouts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import psutil
+
+from engine_bridge import discovery
+from engine_bridge.demo.specs import DEMO_MODEL_IDS, is_demo_model
+from engine_bridge.models import ModelRef, resolve
+from engine_bridge.preflight import gb, weights_bytes
+from engine_bridge.types import EngineError
+
+from .config import Config
+from .lmstudio_rest import LmStudioError, LmStudioRest
+from .one_copy import same_model
+from .units import resolve_kv_memory, resolve_min_available, resolve_ram_budget
+
+# module -> (what it enables, the extra that installs it)
+EXTRAS = {
+    "redis": ("the shared Redis/Valkey tier ([cache.shared])", "shared"),
+    "mlx_vlm": ("vision models", "vision"),
+    "PIL": ("images in requests", "vision"),
+    "matplotlib": ("bench plots", "bench"),
+    "playwright": ("the dashboard's browser tests", "test"),
+}
+PROGRAMS = ("redis-server", "chromium", "chromium-browser", "google-chrome")
+HEALTH_TIMEOUT_S = 3.0
+
+
+def _served_specs(config: Config) -> list[str]:
+    """The model specs `serve` would serve with this config (as the engine lists them)."""
+    specs = list(config.models.serve)
+    if config.models.serve_all_mlx:
+        dirs = [Path(d) for d in config.models.lmstudio_dirs]
+        specs += [str(m.path) for m in discovery.scan(dirs) if m.format == "mlx"]
+    return specs or ([] if config.models.serve_all_mlx else list(DEMO_MODEL_IDS))
+
+
+def _row(model_id: str, path: Path | None, demo: bool, note: str | None = None):
+    weights = weights_bytes(path) if path is not None and path.is_dir() else None
+    path_text = str(path) if path is not None else None
+    return {"id": model_id, "path": path_text, "demo": demo, "weights_bytes": weights, "note": note}
+
+
+def _model_row(spec: str, config: Config) -> tuple[dict[str, Any], ModelRef | None]:
+    cache_dir = config.cache.ssd.path
+    if is_demo_model(spec):
+        # Not built here: a demo model is built on first use under the cache dir.
+        path = cache_dir / "models" / spec
+        return _row(spec, path, True, None if path.is_dir() else "built on first use"), None
+    try:
+        ref = resolve(spec, cache_dir, [Path(d) for d in config.models.lmstudio_dirs])
+    except EngineError as exc:
+        return _row(spec, None, False, exc.message), None
+    return _row(ref.id, ref.path, False), ref
+
+
+async def _server_health(url: str) -> dict[str, Any]:
+    timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.get(url + "/health") as r:
+                body = orjson.loads(await r.read()) if r.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as exc:
+        return {"url": url, "running": False, "error": str(exc) or type(exc).__name__}
+    if not isinstance(body, dict) or body.get("status") != "ok":
+        return {"url": url, "running": False, "error": "no mlx-prompt-cache /health there"}
+    return {
+        "url": url,
+        "running": True,
+        "error": None,
+        "models": [m for m in body.get("models", []) if isinstance(m, str)],
+        "loaded": [m for m in body.get("loaded", []) if isinstance(m, str)],
+    }
+
+
+async def _lmstudio(config: Config, refs: list[ModelRef]) -> dict[str, Any]:
+    u = config.upstream
+    out: dict[str, Any] = {
+        "url": u.url,
+        "enabled": u.enabled,
+        "reachable": False,
+        "api": None,
+        "can_unload": None,
+        "error": None,
+        "loaded": [],
+    }
+    if not u.enabled:
+        return out
+    try:
+        async with LmStudioRest(u.url, u.api_token, connect_timeout_s=u.connect_timeout_s) as lms:
+            listing = await lms.models()
+    except LmStudioError as exc:
+        out["error"] = str(exc)
+        return out
+    out.update(reachable=True, api=listing.api, can_unload=listing.can_unload)
+    for m in listing.loaded:
+        out["loaded"].append(
+            {
+                "key": m.key,
+                "instances": list(m.instances),
+                "size_bytes": m.size_bytes,
+                "format": m.format,
+                "type": m.type,
+                "also_served_here": [r.id for r in refs if same_model(r, m)],
+            }
+        )
+    return out
+
+
+def _memory(config: Config, weights: list[int | None]) -> dict[str, Any]:
+    vm = psutil.virtual_memory()
+    ram, kv = config.cache.ram, config.engine.kv_memory
+    return {
+        "total_bytes": vm.total,
+        "available_bytes": vm.available,
+        "weights_bytes": sum(w for w in weights if w),
+        "ram_budget": ram.budget,
+        "ram_budget_bytes": resolve_ram_budget(ram.budget, vm.available),
+        "kv_memory": kv,
+        "kv_memory_bytes": None if kv is None else resolve_kv_memory(kv, vm.total),
+        "min_available": ram.min_available,
+        "min_available_bytes": None
+        if ram.min_available == "off"
+        else resolve_min_available(ram.min_available, vm.total),
+        "unload_duplicates": config.upstream.unload_duplicates,
+    }
+
+
+async def diagnose(config: Config) -> dict[str, Any]:
+    """The whole report as plain JSON-ready data."""
+    rows, refs = [], []
+    for spec in _served_specs(config):
+        row, ref = _model_row(spec, config)
+        rows.append(row)
+        if ref is not None:
+            refs.append(ref)
+    host = config.server.host
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    host = f"[{host}]" if ":" in host else host
+    server = await _server_health(f"http://{host}:{config.server.port}")
+    if server["running"]:
+        configured = {r["id"] for r in rows}
+        for model_id in server["models"]:
+            if model_id not in configured:  # started with other --model flags
+                note = "served by the running server"
+                rows.append(_row(model_id, None, is_demo_model(model_id), note))
+        for r in rows:
+            r["loaded"] = r["id"] in server["loaded"]
+            if r["id"] not in server["models"] and r["note"] is None:
+                r["note"] = "configured, but not served by the running server"
+    else:
+        for r in rows:
+            r["loaded"] = None  # unknown: no server to ask
+    return {
+        "server": server,
+        "models": rows,
+        "lmstudio": await _lmstudio(config, refs),
+        "memory": _memory(config, [r["weights_bytes"] for r in rows]),
+        "extras": {name: importlib.util.find_spec(name) is not None for name in EXTRAS},
+        "programs": {name: shutil.which(name) for name in PROGRAMS},
+    }
+
+
+def _size(n: int | None) -> str:
+    return "-" if n is None else gb(n)
+
+
+def _is_share(spec: Any) -> bool:
+    return isinstance(spec, str) and spec.strip().endswith("%")
+
+
+def _spec(spec: Any, resolved: int | None, of: str) -> str:
+    """A setting as the user wrote it, and what a share ("20%") comes to on this machine."""
+    return f"{spec} ({_size(resolved)} {of})" if _is_share(spec) else str(spec)
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report as text for a person."""
+    out: list[str] = []
+    server, lms, mem = report["server"], report["lmstudio"], report["memory"]
+    state = "running" if server["running"] else "not running"
+    out.append(f"Served in-process (server at {server['url']}: {state})")
+    width = max([len(r["id"]) for r in report["models"]] + [10])
+    for r in report["models"]:
+        loaded = {True: "loaded", False: "not loaded", None: "configured"}[r["loaded"]]
+        extra = f"  ({r['note']})" if r["note"] else ""
+        out.append(
+            f"  {r['id']:{width}}  {loaded:10}  {_size(r['weights_bytes']):>8}  "
+            f"{r['path'] or '-'}{extra}"
+        )
+    out.append("")
+    if not lms["enabled"]:
+        out.append(f"LM Studio at {lms['url']}: upstream disabled ([upstream] enabled = false)")
+    elif not lms["reachable"]:
+        out.append(f"LM Studio: {lms['error']}")  # it names the URL
+    else:
+        api = lms["api"] + ("" if lms["can_unload"] else ", no unload: LM Studio before 0.4")
+        out.append(f"LM Studio at {lms['url']} (REST API {api})")
+        if not lms["loaded"]:
+            out.append("  nothing loaded")
+        for m in lms["loaded"]:
+            dup = m["also_served_here"]
+            also = f"  also served here as {', '.join(dup)}: two copies" if dup else ""
+            out.append(
+                f"  {m['key']}  loaded as {', '.join(m['instances'])}  "
+                f"{_size(m['size_bytes'])}{also}"
+            )
+    out.append("")
+    kv = (
+        "derived at each load from what the weights leave"
+        if mem["kv_memory"] is None
+        else _spec(mem["kv_memory"], mem["kv_memory_bytes"], "of all RAM")
+    )
+    ram_tier = _spec(mem["ram_budget"], mem["ram_budget_bytes"], "of available RAM now")
+    if _is_share(mem["ram_budget"]):
+        ram_tier += "; at each load, a share of what the weights leave"
+    floor = (
+        "off"
+        if mem["min_available_bytes"] is None
+        else _spec(mem["min_available"], mem["min_available_bytes"], "of all RAM")
+    )
+    out += [
+        "Memory",
+        f"  RAM              {gb(mem['total_bytes'])} total, "
+        f"{gb(mem['available_bytes'])} available",
+        f"  weights served   {gb(mem['weights_bytes'])} (those on disk, all models)",
+        f"  RAM tier budget  {ram_tier}",
+        f"  K/V memory       {kv}",
+        f"  kept free        {floor}",
+        f"  unload LM Studio's copy before a load: {'yes' if mem['unload_duplicates'] else 'no'}",
+        "",
+        "Optional extras (Python packages)",
+    ]
+    for name, present in report["extras"].items():
+        what, extra = EXTRAS[name]
+        how = "installed" if present else f"missing (pip install '.[{extra}]')"
+        out.append(f"  {name:11} {how:34} {what}")
+    out += ["", "Programs on PATH"]
+    for name, where in report["programs"].items():
+        out.append(f"  {name:17} {where or 'not found'}")
+    return "\n".join(out)
