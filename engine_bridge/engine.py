@@ -455,6 +455,8 @@ class Engine:
         s = self.scheduler.stats
         return asdict(s) | {
             "mean_batch": s.mean_batch,
+            "tokens_per_step": s.tokens_per_step,
+            "spec_acceptance": s.spec_acceptance,
             "decode_tok_s": s.decode_tok_s,
             "prefill_tok_s": s.prefill_tok_s,
         }

@@ -38,8 +38,9 @@ from .fair_queue import FairQueue
 from .jobs import CacheSession, Event, Failed, Job, Pending
 from .logctx import request_id
 from .models import LoadedModel
-from .sampling import sample_rows
+from .sampling import greedy_tokens, sample_rows
 from .sequence import Seq
+from .speculation.control import Speculation
 from .types import GenerationRequest, GenerationResult, PromptInfo
 
 if TYPE_CHECKING:
@@ -167,6 +168,22 @@ class Runner:
         for s in (*self.prefilling, *self.running):
             s.job.cancel.set()
 
+    def fail_all(self, error: BaseException) -> int:
+        """End every request of this model, waiting or admitted, with `error` (the
+        scheduler's answer to a step that raised); returns how many."""
+        waiting = self._waiting.remove_if(lambda p: True)
+        admitted, self.prefilling = [*self.prefilling, *self.running], []
+        self.running, self._inflight = [], None
+        self.batch = kv.Batch(batched=self.batch.batched)
+        for p in waiting:
+            p.emit(Failed(error))
+            p.emit(None)
+        for seq in admitted:
+            seq.cache = []
+            seq.emit(Failed(error))
+            seq.emit(None)
+        return len(waiting) + len(admitted)
+
     def _reap_cancelled(self) -> bool:
         worked = False
         for p in self._waiting.remove_if(lambda p: p.job.cancel.is_set()):
@@ -232,6 +249,7 @@ class Runner:
                 seq.cache = make_prompt_cache(self.loaded.model)
             seq.cached = seq.position
             seq.stops = deque(self._prefill_stops(seq))
+            seq.spec = self._speculation(job)
         except BaseException as e:  # surfaced on the event loop, not lost in the thread
             log.exception("[%s] restore failed", req.request_id)
             pending.emit(Failed(e))
@@ -254,6 +272,14 @@ class Runner:
         )
         if not seq.stops:
             self._end_prefill(seq)
+
+    def _speculation(self, job: Job) -> Speculation | None:
+        """The sequence's drafter, when it speculates: a text model, not turned off."""
+        settings = self.scheduler.settings.speculation
+        if not job.request.speculative or job.request.prefill_only or self.loaded.vision:
+            return None
+        drafter = settings.new_drafter(job.prompt.tokens)
+        return Speculation(drafter, settings) if drafter is not None else None
 
     def _prefill_stops(self, seq: Seq) -> list[int]:
         """Chunk ends for prefilling all but the last prompt token (whose logits the first
@@ -334,12 +360,87 @@ class Runner:
         """
         if not self.running:
             return False
+        if len(self.running) == 1 and self.running[0].spec is not None:
+            return self._decode_speculating(self.running[0])
+        if len(self.running) > 1 and any(s.spec is not None for s in self.running):
+            # Rows would accept different lengths: one token each this step instead.
+            self.scheduler.stats.spec_paused_steps += 1
         if self._inflight is None:
             self._launch()
         self._collect()
         if self.running:
             self._launch()
         return True
+
+    def _decode_speculating(self, seq: Seq) -> bool:
+        """The lone running sequence: verify a draft when its drafter has one, else decode
+        one token, leaving that step in flight as `_decode` does."""
+        if self._inflight is not None:
+            self._collect()
+            if not self.running:
+                return True
+        drafts = seq.spec.draft(seq.out, seq.job.max_tokens - len(seq.out) - 1)
+        if drafts:
+            self._verify(seq, drafts)
+        else:
+            self._launch()
+        return True
+
+    def _verify(self, seq: Seq, drafts: list[int]) -> None:
+        """Feed the next input and the drafts in one pass; keep the longest prefix the model
+        agrees with and the model's own token after it; go back to exactly that state.
+
+        Each position's token is chosen as plain decode would choose it: greedy takes the
+        argmax; sampling keeps a draft by the acceptance rule (speculation/acceptance.py);
+        penalties and output rules see the tokens accepted before that position. So the
+        stream that stop strings, max_tokens and the parsers see is what plain decode makes.
+        """
+        stats = self.scheduler.stats
+        t0 = time.perf_counter()
+        cache = self.batch.cache
+        inputs = [seq.next_input, *drafts]
+        sampler = seq.sampler
+        try:
+            rewind = kv.Rewind(cache)
+            logits = self.loaded.model(mx.array(inputs)[None], cache=cache)[0]
+            plain = sampler.greedy and not sampler.processors and sampler.rule is None
+            targets = greedy_tokens(logits).tolist() if plain else None
+            if targets is None:
+                mx.eval(logits)
+            committed = accepted = 0
+            finished = False
+            for i in range(len(inputs)):
+                draft = drafts[i] if i < len(drafts) else None
+                if targets is not None:
+                    tok, kept = targets[i], targets[i] == draft
+                else:
+                    tok, kept = sampler.pick(logits[i : i + 1], seq.history, draft)
+                committed += 1
+                accepted += kept
+                request_id.set(seq.job.request.request_id or "-")
+                if seq.accept(tok):
+                    finished = True
+                    break
+                if not kept:
+                    break
+            if rewind.to(fed=len(inputs), keep=committed):
+                self.loaded.model(mx.array(inputs[:committed])[None], cache=cache)
+                stats.spec_replays += 1
+            mx.eval([c.state for c in cache])
+        except BaseException as e:
+            self._fail_running(e)
+            return
+        seq.spec.update(len(drafts), accepted)
+        stats.decode_s += time.perf_counter() - t0
+        stats.decode_steps += 1
+        stats.decode_rows += 1
+        stats.decode_tokens += committed
+        stats.spec_rounds += 1
+        stats.spec_drafted += len(drafts)
+        stats.spec_accepted += accepted
+        stats.largest_batch = max(stats.largest_batch, 1)
+        if finished:
+            self._retire([0])
 
     def _launch(self) -> None:
         t0 = time.perf_counter()
@@ -376,6 +477,7 @@ class Runner:
         stats.decode_s += time.perf_counter() - t0
         stats.decode_steps += 1
         stats.decode_tokens += len(self.running)
+        stats.decode_rows += len(self.running)
         stats.largest_batch = max(stats.largest_batch, len(self.running))
         finished = []
         for row, (seq, tok) in enumerate(zip(self.running, values, strict=True)):

@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from .output_rules import OutputRule
+from .speculation.acceptance import accept
 from .types import Sampling
 
 # The repetition penalty looks at this many recent tokens (mlx-lm's default context).
@@ -54,6 +55,24 @@ class RowSampler:
         logprobs = _logprobs(logits)
         if self.greedy:
             return mx.argmax(logprobs, axis=-1)
+        return mx.random.categorical(self._filtered(logprobs) * (1.0 / self.temperature),
+                                     key=self._next_key())  # fmt: skip
+
+    def pick(self, logits: mx.array, history: Sequence[int], draft: int | None) -> tuple[int, bool]:
+        """One position of a speculative verify pass, from its [1, V] raw logits: the token
+        this row takes there, and whether that is `draft` (speculation/acceptance.py)."""
+        row = self.process(history, logits)
+        logprobs = _logprobs(row)
+        if self.greedy:
+            tok = int(mx.argmax(logprobs, axis=-1).item())
+            return tok, tok == draft
+        scaled = self._filtered(logprobs) * (1.0 / self.temperature)
+        logp = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+        if draft is None:
+            return int(mx.random.categorical(logp, key=self._next_key()).item()), False
+        return accept(logp, draft, key=self._next_key())
+
+    def _filtered(self, logprobs: mx.array) -> mx.array:
         if 0 < self.top_p < 1.0:
             logprobs = apply_top_p(logprobs, self.top_p)
         if self.min_p:
@@ -61,10 +80,13 @@ class RowSampler:
         # Keeping the top k of V <= k tokens keeps them all; mlx-lm refuses such a k.
         if 0 < self.top_k < logprobs.shape[-1]:
             logprobs = apply_top_k(logprobs, self.top_k)
-        key = None
-        if self._key is not None:
-            self._key, key = mx.random.split(self._key)
-        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=key)
+        return logprobs
+
+    def _next_key(self) -> mx.array | None:
+        if self._key is None:
+            return None
+        self._key, key = mx.random.split(self._key)
+        return key
 
 
 def sample_rows(
@@ -78,6 +100,11 @@ def sample_rows(
         row = s.process(history, logits[i : i + 1])
         rows.append(s.sample(row))
     return mx.concatenate(rows)
+
+
+def greedy_tokens(logits: mx.array) -> mx.array:
+    """The greedy token of each row of [N, V] logits, exactly as plain decode picks it."""
+    return mx.argmax(_logprobs(logits), axis=-1)
 
 
 def _logprobs(logits: mx.array) -> mx.array:

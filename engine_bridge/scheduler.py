@@ -10,10 +10,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .jobs import Pending
+from .jobs import Failed, Pending
+from .speculation.control import SpeculativeSettings
 from .types import EngineError
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ class SchedulerSettings:
     prefill_chunk: int = 512
     # Live K/V bytes of admitted sequences, all models together; None: no limit.
     kv_memory_bytes: int | None = None
+    speculation: SpeculativeSettings = field(default_factory=SpeculativeSettings)
 
 
 @dataclass(slots=True)
@@ -42,18 +44,35 @@ class SchedulerStats:
     max_queue: int = 0
     rejected: int = 0  # answered 429
     largest_batch: int = 0
-    decode_steps: int = 0
+    decode_steps: int = 0  # model steps: one token per row, or one verify pass
     decode_tokens: int = 0
+    decode_rows: int = 0  # sequences per step, summed (mean_batch)
     decode_s: float = 0.0
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     kv_bytes: int = 0  # live K/V of admitted sequences
     kv_memory_bytes: int | None = None
     admission_waits: int = 0  # steps where the memory budget held a request back
+    # Speculative decoding (runner.py `_verify`): verify passes, the draft tokens they
+    # checked and how many the model kept, passes whose rejection replayed a recurrent
+    # state (kv/rollback.py), and batched steps in which speculation paused.
+    spec_rounds: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_replays: int = 0
+    spec_paused_steps: int = 0
 
     @property
     def mean_batch(self) -> float:
-        return round(self.decode_tokens / self.decode_steps, 2) if self.decode_steps else 0.0
+        return round(self.decode_rows / self.decode_steps, 2) if self.decode_steps else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return round(self.decode_tokens / self.decode_steps, 3) if self.decode_steps else 0.0
+
+    @property
+    def spec_acceptance(self) -> float:
+        return round(self.spec_accepted / self.spec_drafted, 3) if self.spec_drafted else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -185,7 +204,7 @@ class Scheduler:
                     self.flush()
                     return
             except BaseException:  # the thread must outlive any one bug: log and go on
-                log.exception("scheduler step failed")
+                log.exception("scheduler loop failed")
                 time.sleep(0.05)
 
     def _iterate(self) -> bool:
@@ -208,20 +227,37 @@ class Scheduler:
             for runner, pending in inbox:
                 if self._stopping:
                     pending.job.cancel.set()
-                runner.enqueue(pending)
+                try:
+                    runner.enqueue(pending)
+                except BaseException as e:  # lost here, its client would wait forever
+                    log.exception("queueing a request failed")
+                    pending.emit(Failed(e))
+                    pending.emit(None)
             self.flush()
             worked = False
             # Models take turns starting the step, so none always goes first.
             self._turn = (self._turn + 1) % max(1, len(runners))
             for runner in runners[self._turn :] + runners[: self._turn]:
                 if runner.has_work:
-                    worked |= runner.step()
+                    worked |= self._step(runner)
             self._update_counts(runners)
             if not worked and any(r.has_work for r in runners):
                 # Held back (memory) with nothing to do: wait for a finish or a cancel.
                 with self._cond:
                     self._cond.wait(0.05)
         return True
+
+    def _step(self, runner: Runner) -> bool:
+        """One step of `runner`. A step that raises past the runner's own handlers (which
+        fail one sequence) would raise again on every retry while its requests hang, so
+        that model's requests end with the error, and other models' go on."""
+        try:
+            return runner.step()
+        except BaseException as e:
+            n = runner.fail_all(e)
+            log.exception("%s: scheduler step failed; ended its %d requests", runner.loaded.id, n)
+            self.flush()
+            return True
 
     def _has_work(self) -> bool:
         return any(r.has_work for r in self._runners)

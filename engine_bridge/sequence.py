@@ -9,6 +9,7 @@ from typing import Any
 
 from .jobs import CacheSession, Pending
 from .sampling import RowSampler
+from .speculation.control import Speculation
 from .types import CacheSource, FinishReason, GenerationResult, TokenEvent
 
 _admissions = itertools.count()
@@ -45,6 +46,8 @@ class Seq:
         self.prefill_s = 0.0
         self.prefilled = 0  # prompt tokens this request computed (not restored)
         self.finish: FinishReason | None = None
+        # Its drafter and draft length, when it speculates (runner.py `_verify`).
+        self.spec: Speculation | None = None
 
     @property
     def tokens(self) -> list[int]:

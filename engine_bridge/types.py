@@ -177,6 +177,9 @@ class GenerationRequest:
     session: str = ""
     # Prefill and store the prompt, then stop before the first token (POST /v1/cache/warm).
     prefill_only: bool = False
+    # Speculative decoding as the engine is set to; False for this request only
+    # (`x-speculative: off`, for comparisons).
+    speculative: bool = True
 
 
 @dataclass(slots=True)

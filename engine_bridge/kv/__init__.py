@@ -1,7 +1,8 @@
 """mlx-lm cache objects ⇄ per-block tensors and checkpoints, and those ⇄ host tensors.
 
-`caches` is the only file that knows mlx-lm's cache classes; `payloads` are what the cache
-manager stores (opaque to it beyond `nbytes`); `host` converts them for the SSD tier.
+`caches` knows mlx-lm's cache classes (with `batch`, their batch forms, and `rollback`,
+going back after a speculative verify pass); `payloads` are what the cache manager stores
+(opaque to it beyond `nbytes`); `host` converts them for the SSD tier.
 """
 
 from engine_bridge.kv.batch import Batch, batch_blocker, live_nbytes
@@ -37,6 +38,7 @@ from engine_bridge.kv.payloads import (
     RotatingState,
     Snapshot,
 )
+from engine_bridge.kv.rollback import Rewind
 
 __all__ = [
     "FORMAT",
@@ -53,6 +55,7 @@ __all__ = [
     "Payload",
     "PayloadFormatError",
     "QuantKV",
+    "Rewind",
     "RotatingState",
     "Slot",
     "Snapshot",

@@ -1,0 +1,9 @@
+"""Speculative decoding: drafters propose tokens, the model checks a run of them in one pass.
+
+- `drafters`: where proposals come from (prompt lookup; the test drafters live in tests/).
+- `acceptance`: the rule that keeps the output the model's own, greedy or sampled.
+- `control`: how many tokens to draft for a sequence, from its running acceptance.
+
+The verify pass itself runs in the scheduler (runner.py), and going back to the accepted
+prefix is the caches' business (kv/rollback.py).
+"""

@@ -1,0 +1,81 @@
+"""How much one sequence drafts: the draft length follows its running acceptance.
+
+A fully accepted draft doubles the next one (up to the bound); a partly accepted one shrinks
+it to what was accepted plus one. A draft rejected at its first token makes the sequence
+stop drafting for 1, 2, 4, ... up to `MAX_PAUSE` steps, so a drafter that is always wrong
+costs about one verify pass in `MAX_PAUSE` steps, and one that proposes nothing costs a
+lookup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from .drafters import Drafter, PromptLookup
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+MAX_PAUSE = 64
+
+
+class Mode(StrEnum):
+    OFF = "off"
+    PROMPT_LOOKUP = "prompt-lookup"
+    MTP = "mtp"
+    AUTO = "auto"
+
+
+@dataclass(slots=True)
+class SpeculativeSettings:
+    """`[engine] speculative` and the draft length bounds."""
+
+    mode: Mode = Mode.AUTO
+    min_draft: int = 1
+    max_draft: int = 8
+    min_ngram: int = 3
+    # Tests replace the drafter (an oracle, a corrupted oracle, one always wrong): it is
+    # made per sequence from the prompt's tokens.
+    drafter: Callable[[Sequence[int]], Drafter] | None = field(default=None, repr=False)
+
+    def new_drafter(self, prompt: Sequence[int]) -> Drafter | None:
+        if self.drafter is not None:
+            return self.drafter(prompt)
+        if self.mode in (Mode.PROMPT_LOOKUP, Mode.AUTO):
+            return PromptLookup(prompt, self.min_ngram, max(self.min_ngram, 5))
+        return None  # off; mtp is offered by models with a head only
+
+
+class Speculation:
+    """One sequence's drafter and draft length."""
+
+    def __init__(self, drafter: Drafter, settings: SpeculativeSettings):
+        self.drafter = drafter
+        self.min_draft, self.max_draft = settings.min_draft, settings.max_draft
+        self.k = min(settings.max_draft, max(settings.min_draft, 4))
+        self._pause = 0
+        self._misses = 0
+
+    def draft(self, out: Sequence[int], room: int) -> list[int]:
+        """The tokens to verify after the sequence's next input; [] to decode plainly."""
+        if self._pause:
+            self._pause -= 1
+            return []
+        k = min(self.k, room)
+        if k <= 0:
+            return []
+        return list(self.drafter.propose(out, k))[:k]
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if accepted == drafted:
+            self.k = min(self.max_draft, self.k * 2)
+        else:
+            self.k = max(self.min_draft, accepted + 1)
+        if accepted == 0:
+            self._misses += 1
+            self._pause = min(MAX_PAUSE, 1 << (self._misses - 1))
+        else:
+            self._misses = 0
