@@ -9,6 +9,7 @@ from .cache.shared_config import SharedConfig
 from .cache.write_policy import WritePolicy
 from .prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from .prompt_cache import CachePolicy
+from .speculation.control import SpeculativeSettings
 from .vision_prompt import VisionLimits
 
 
@@ -61,6 +62,8 @@ class EngineSettings:
     max_queue: int = 64
     prefill_chunk: int = 512
     kv_memory_bytes: int | None = None
+    # Speculative decoding ([engine] speculative and its draft bounds).
+    speculation: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     normalization: list[NormalizationRule] = field(
         default_factory=lambda: [CLAUDE_CODE_BILLING_HEADER]
     )

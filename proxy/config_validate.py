@@ -9,6 +9,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from engine_bridge.cache.write_policy import resolve_write_policy
+from engine_bridge.speculation.control import Mode
 from proxy.config_schema import key_error
 from proxy.config_shared import validate_shared
 from proxy.security import check_host_entry, check_origin_entry
@@ -81,6 +82,15 @@ def validate(config: Config, origins: Origins) -> None:
     )
     if e.kv_memory is not None:
         parses("engine.kv_memory", lambda v: resolve_kv_memory(v, 1 << 30), e.kv_memory)
+    modes = [m.value for m in Mode]
+    check("engine.speculative", e.speculative in modes,
+          f"must be one of {', '.join(modes)}, got {e.speculative!r}")  # fmt: skip
+    check(
+        "engine.speculative_min_draft",
+        1 <= e.speculative_min_draft <= e.speculative_max_draft <= 64,
+        "the draft bounds must satisfy 1 <= speculative_min_draft <= speculative_max_draft"
+        f" <= 64, got {e.speculative_min_draft} and {e.speculative_max_draft}",
+    )
     v = config.vision
     parses("vision.max_image_size", parse_size, v.max_image_size)
     check("vision.max_image_pixels", v.max_image_pixels > 0, "must be positive")

@@ -19,10 +19,13 @@ from engine_bridge.types import (
     TokenEvent,
 )
 
+from .errors import ApiError
 from .output import Part
 from .state import REQUEST_ID, SETTINGS
 
 BYPASS_HEADER = "x-prompt-cache"
+# `x-speculative: off` decodes this request without speculation, for comparisons.
+SPECULATIVE_HEADER = "x-speculative"
 
 
 @dataclass(slots=True)
@@ -134,11 +137,24 @@ def _api_key(request: web.Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
+def speculative(request: web.Request) -> bool:
+    """Whether the request lets the engine speculate: anything but `x-speculative: off`."""
+    value = request.headers.get(SPECULATIVE_HEADER)
+    if value is None:
+        return True
+    value = value.strip().lower()
+    if value not in ("on", "off", "auto"):
+        raise ApiError(400, f"{SPECULATIVE_HEADER}: expected on, off or auto, got {value!r}",
+                       param=SPECULATIVE_HEADER)  # fmt: skip
+    return value != "off"
+
+
 async def start(
     engine: Engine, req: GenerationRequest, request: web.Request, raw: bool = False
 ) -> Generation:
     """Validate and queue the request; returns once the cache lookup is done."""
     req.request_id = request.get(REQUEST_ID, "")
+    req.speculative = speculative(request)
     if not req.session:
         req.session = conversation_id(req.messages)
     # EngineError (a 4xx, or 429 when the queue is full) and GenerationFailed propagate:

@@ -231,6 +231,20 @@ def scheduler_metrics(s: dict) -> Iterator[Metric]:
     yield gauge("scheduler_waiting", "Requests waiting for a batch slot", s["waiting"])
     yield gauge("scheduler_kv_bytes", "Live K/V bytes of admitted sequences", s["kv_bytes"])
     yield counter("scheduler_rejected", "Requests refused with 429 (queue full)", s["rejected"])
+    yield counter("decode_steps", "Model decode steps (one token per row, or one verify pass)",
+                  s["decode_steps"])  # fmt: skip
+    yield counter("decode_tokens", "Tokens decoded", s["decode_tokens"])
+    yield gauge("decode_tokens_per_step", "Tokens decoded per model step", s["tokens_per_step"])
+    yield counter("speculative_rounds", "Speculative verify passes", s["spec_rounds"])
+    yield counter("speculative_drafted_tokens", "Draft tokens verified", s["spec_drafted"])
+    yield counter("speculative_accepted_tokens", "Draft tokens the model kept",
+                  s["spec_accepted"])  # fmt: skip
+    yield gauge("speculative_acceptance_ratio", "Draft tokens kept / verified",
+                s["spec_acceptance"])  # fmt: skip
+    yield counter("speculative_replays", "Verify passes whose rejection replayed recurrent state",
+                  s["spec_replays"])  # fmt: skip
+    yield counter("speculative_paused_steps", "Batched steps in which speculation paused",
+                  s["spec_paused_steps"])  # fmt: skip
 
 
 def reason_metric(totals: dict[tuple[str, str], int], served) -> Metric:

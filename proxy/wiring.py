@@ -11,6 +11,7 @@ from engine_bridge.cache.write_policy import resolve_write_policy
 from engine_bridge.engine import EngineSettings
 from engine_bridge.prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from engine_bridge.prompt_cache import CachePolicy
+from engine_bridge.speculation.control import Mode, SpeculativeSettings
 from engine_bridge.vision_prompt import VisionLimits
 
 from .config import Config
@@ -59,6 +60,11 @@ def engine_settings(config: Config) -> EngineSettings:
         max_batch=engine.max_batch,
         max_queue=engine.max_queue,
         prefill_chunk=engine.prefill_chunk,
+        speculation=SpeculativeSettings(
+            mode=Mode(engine.speculative),
+            min_draft=engine.speculative_min_draft,
+            max_draft=engine.speculative_max_draft,
+        ),
         kv_memory_bytes=None
         if engine.kv_memory is None
         else resolve_kv_memory(engine.kv_memory, ram.total),

@@ -31,3 +31,25 @@ def test_memory_pressure_floor_from_config_reaches_engine_settings(tmp_path):
     assert engine_settings(load_config(path, {}, {})).ram_min_available_bytes == 2 * 10**9
     off = load_config(path, {"MLX_PROMPT_CACHE_CACHE_RAM_MIN_AVAILABLE": "off"}, {})
     assert engine_settings(off).ram_min_available_bytes is None
+
+
+def test_speculative_keys_reach_the_scheduler_and_bad_ones_name_the_key(tmp_path):
+    from engine_bridge.speculation.control import Mode
+    from proxy.config import ConfigError
+
+    assert engine_settings(Config()).speculation.mode is Mode.AUTO
+    path = write(tmp_path, "[engine]\nspeculative = 'off'\nspeculative_max_draft = 4\n")
+    s = engine_settings(load_config(path, {}, {})).speculation
+    assert (s.mode, s.min_draft, s.max_draft) == (Mode.OFF, 1, 4)
+    env = {"MLX_PROMPT_CACHE_ENGINE_SPECULATIVE": "prompt-lookup"}
+    assert engine_settings(load_config(None, env, {})).speculation.mode is Mode.PROMPT_LOOKUP
+    for text, key in [
+        ("speculative = 'fast'", "engine.speculative"),
+        ("speculative_min_draft = 9\nspeculative_max_draft = 4", "engine.speculative_min_draft"),
+    ]:
+        try:
+            load_config(write(tmp_path, f"[engine]\n{text}\n"), {}, {})
+        except ConfigError as e:
+            assert key in str(e)
+        else:
+            raise AssertionError(f"{text!r} was accepted")

@@ -223,6 +223,8 @@ def test_numbers_change_after_a_request(live, page):
         "prompt tokens from cache"
     )
     assert text(page, "#ram") != "0 B"
+    # Decode speed in model steps: tokens per step (above 1 where speculation kept drafts).
+    assert text(page, "#spec") == f"{stats['scheduler']['tokens_per_step']:.2f}"
     assert f"of {stats['ssd']['max_bytes'] / 1e9:.1f} GB max" in text(page, "#ssd-detail")
     # The recent requests table, newest first, with why each one hit or missed.
     recent = api(live, "/v1/cache/requests?limit=2")["requests"]

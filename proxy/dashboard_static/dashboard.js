@@ -164,6 +164,12 @@
     $("requests-detail").textContent = `${count(s.hits)} hits, ${count(s.misses)} misses` +
       (req.bypassed ? `, ${count(req.bypassed)} bypassed` : "");
     if (Array.isArray(s.models)) $("models").textContent = s.models.join(" · ");
+    const sched = s.scheduler || {};
+    $("spec").textContent = sched.decode_steps ? sched.tokens_per_step.toFixed(2) : "–";
+    $("spec-detail").textContent = sched.spec_drafted
+      ? `speculative: ${count(sched.spec_accepted)} of ${count(sched.spec_drafted)} drafts ` +
+        `kept (${pct(sched.spec_acceptance)})`
+      : "no speculative drafts yet";
     tier("ram", s.ram && s.ram.bytes, s.ram && s.ram.budget_bytes, "budget",
       s.ram ? `${count(s.ram.blocks)} blocks, ${count(s.ram.checkpoints)} checkpoints` : "");
     if (s.ssd) {
