@@ -60,6 +60,7 @@ def engine_settings(config: Config) -> EngineSettings:
         max_batch=engine.max_batch,
         max_queue=engine.max_queue,
         prefill_chunk=engine.prefill_chunk,
+        memory_preflight=engine.memory_preflight,
         speculation=SpeculativeSettings(
             mode=Mode(engine.speculative),
             min_draft=engine.speculative_min_draft,

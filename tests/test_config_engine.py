@@ -53,3 +53,9 @@ def test_speculative_keys_reach_the_scheduler_and_bad_ones_name_the_key(tmp_path
             assert key in str(e)
         else:
             raise AssertionError(f"{text!r} was accepted")
+
+
+def test_the_memory_preflight_can_be_turned_off(tmp_path):
+    assert engine_settings(Config()).memory_preflight is True
+    off = load_config(None, {"MLX_PROMPT_CACHE_ENGINE_MEMORY_PREFLIGHT": "false"}, {})
+    assert engine_settings(off).memory_preflight is False
