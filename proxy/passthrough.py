@@ -187,6 +187,14 @@ def _filtered(headers: CIMultiDictProxy[str], drop: Iterable[str]) -> CIMultiDic
     return out
 
 
+def with_token(headers: CIMultiDict[str], config: UpstreamConfig) -> CIMultiDict[str]:
+    """With `[upstream] api_token` set, LM Studio's token replaces whatever key the client
+    sent (that one is for this proxy, or a placeholder)."""
+    if config.api_token is not None:
+        headers["Authorization"] = f"Bearer {config.api_token}"
+    return headers
+
+
 def upstream_url(config: UpstreamConfig, request: web.Request) -> URL:
     """The upstream URL for a request: same raw path and query string, byte for byte."""
     return URL(config.url.rstrip("/") + request.rel_url.raw_path_qs, encoded=True)
@@ -208,7 +216,7 @@ async def forward(request: web.Request, body: bytes | None = None) -> web.Stream
         return await _forward_websocket(request, config, session)
     if body is None and request.body_exists:
         body = await request.read()
-    headers = _filtered(request.headers, HOP_BY_HOP | _REQUEST_ONLY_DROP)
+    headers = with_token(_filtered(request.headers, HOP_BY_HOP | _REQUEST_ONLY_DROP), config)
     try:
         upstream = await session.request(
             request.method,
@@ -345,7 +353,9 @@ async def _forward_websocket(
 ) -> web.StreamResponse:
     """Tunnel a WebSocket (LM Studio's own SDKs talk to it this way) message by message."""
     protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
-    headers = _filtered(request.headers, HOP_BY_HOP | _REQUEST_ONLY_DROP | _WS_HANDSHAKE)
+    headers = with_token(
+        _filtered(request.headers, HOP_BY_HOP | _REQUEST_ONLY_DROP | _WS_HANDSHAKE), config
+    )
     try:
         upstream = await session.ws_connect(
             upstream_url(config, request),
@@ -420,9 +430,8 @@ async def _fetch_models(session: aiohttp.ClientSession, config: UpstreamConfig) 
     url = config.url.rstrip("/") + "/v1/models"
     timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S, sock_connect=config.connect_timeout_s)
     try:
-        async with session.get(
-            url, timeout=timeout, headers={"Accept": "application/json"}
-        ) as resp:
+        headers = with_token(CIMultiDict({"Accept": "application/json"}), config)
+        async with session.get(url, timeout=timeout, headers=headers) as resp:
             status = resp.status
             try:
                 raw = await resp.read()

@@ -101,6 +101,11 @@ def test_loading_a_model_lm_studio_holds_unloads_its_instances_first(
             assert _chat(server.url).status_code == 200
             assert len(fake.calls) == asked
             report = _doctor(config, server.port)
+            # Requests passed through carry LM Studio's token, not the client's key for us.
+            merged = httpx.get(server.url + "/v1/models", timeout=30,
+                               headers={"Authorization": "Bearer for-the-proxy"})  # fmt: skip
+            assert "qwen/qwen3-8b" in {m["id"] for m in merged.json()["data"]}
+            assert {c.authorization for c in fake.calls} == {f"Bearer {TOKEN}"}
         finally:
             server.stop()
     log = server.log()
