@@ -113,3 +113,21 @@ def test_metrics_show_drafts_acceptance_and_tokens_per_step(server):
     assert values[prefix + "speculative_drafted_tokens_total"] == s["spec_drafted"]
     assert values[prefix + "speculative_acceptance_ratio"] == s["spec_acceptance"]
     assert values[prefix + "decode_tokens_per_step"] == s["tokens_per_step"] > 1
+
+
+@pytest.mark.parametrize("limit", [{"stop": ["x * 2"]}, {"max_tokens": 37}], ids=["stop", "max"])
+def test_a_stop_inside_a_verified_run_ends_where_plain_decode_ends(server, limit):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="t", max_retries=0)
+    body = {"model": "demo-llama", "messages": PROMPT, "temperature": 0, "max_tokens": 400}
+    body |= limit
+    plain = client.chat.completions.create(**body, extra_headers={"x-speculative": "off"})
+    before = _spec(server)
+    spec = client.chat.completions.create(**body)
+    assert _spec(server)["spec_accepted"] > before["spec_accepted"]
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    assert spec.choices[0].finish_reason == plain.choices[0].finish_reason
+    assert spec.usage.completion_tokens == plain.usage.completion_tokens
+    if "stop" in limit:
+        assert spec.choices[0].message.content == COPIED[: COPIED.index("x * 2")]
+    else:
+        assert spec.usage.completion_tokens == 37
