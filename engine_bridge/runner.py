@@ -249,7 +249,7 @@ class Runner:
                 seq.cache = make_prompt_cache(self.loaded.model)
             seq.cached = seq.position
             seq.stops = deque(self._prefill_stops(seq))
-            seq.spec = self._speculation(job)
+            seq.spec = self._speculation(job) if kv.can_rewind(seq.cache) else None
         except BaseException as e:  # surfaced on the event loop, not lost in the thread
             log.exception("[%s] restore failed", req.request_id)
             pending.emit(Failed(e))

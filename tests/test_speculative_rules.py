@@ -209,3 +209,11 @@ def test_every_accept_length_goes_back_to_the_plain_state(loaded, model_id, prom
         after = _feed(model, cache, [truth[a]])
         if a < K:
             np.testing.assert_allclose(np.array(after[-1]), nexts[a + 1], atol=1e-3, rtol=1e-3)
+
+
+def test_a_cache_without_a_way_back_decodes_plainly(loaded):
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    for lm in loaded.values():
+        assert kv.can_rewind(make_prompt_cache(lm.model))
+    assert not kv.can_rewind([KVCache(), ChunkedKVCache(16)])

@@ -38,7 +38,7 @@ from engine_bridge.kv.payloads import (
     RotatingState,
     Snapshot,
 )
-from engine_bridge.kv.rollback import Rewind
+from engine_bridge.kv.rollback import Rewind, can_rewind
 
 __all__ = [
     "FORMAT",
@@ -61,6 +61,7 @@ __all__ = [
     "Snapshot",
     "UnsupportedCacheError",
     "batch_blocker",
+    "can_rewind",
     "extract_blocks",
     "extract_checkpoint",
     "layout",

@@ -34,6 +34,15 @@ from .caches import _leaves
 _TRIMMED = (KVCache, QuantizedKVCache)
 
 
+def can_rewind(cache: Sequence[Any]) -> bool:
+    """Whether every layer of `cache` has a way back (else the sequence decodes plainly)."""
+    return all(
+        type(c) in (*_TRIMMED, RotatingKVCache)
+        or (type(c) is ArraysCache and c.left_padding is None and c.lengths is None)
+        for _, c in _leaves(cache)
+    )
+
+
 class Rewind:
     """A cache list's state before a verify pass, to go back to part of what it fed."""
 
