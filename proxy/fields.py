@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import reprlib
 from typing import Any
 
@@ -24,6 +25,16 @@ async def read_body(request: web.Request, max_bytes: int) -> bytes:
     return bytes(data)
 
 
+def header(request: web.Request, name: str) -> str:
+    """A request header as text ("" when absent). aiohttp decodes header bytes that are not
+    UTF-8 as lone surrogates, which every encoder below (hashing, SQLite) refuses with a
+    500, so such a header is the client's mistake: a 400 naming it."""
+    value = request.headers.get(name, "")
+    if not _encodes(value):
+        raise ApiError(400, f"{name}: header is not valid UTF-8", param=name, code="invalid_header")
+    return value
+
+
 def _too_large(size: int, limit: int) -> ApiError:
     return ApiError(
         413,
@@ -43,7 +54,7 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        raise _not_json(text, e) from None
     if not isinstance(value, dict):
         raise ApiError(
             400,
@@ -52,6 +63,53 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         )
     _check_depth(value)
     return value
+
+
+def _not_json(text: str, error: orjson.JSONDecodeError) -> ApiError:
+    """The 400 for a body orjson refuses; a lone surrogate escape ("\\udcff", valid JSON
+    syntax but no character, so no UTF-8 text holds it) is named by the field it is in."""
+    found = _lone_surrogate(text) if "surrogate" in str(error) else None
+    if found is None:
+        return ApiError(400, f"request body is not valid JSON: {error}", code="invalid_json")
+    where, what = found
+    return ApiError(
+        400,
+        f"{where}: {what} holds a lone surrogate escape (\\ud800-\\udfff without its "
+        "pair), which is not a character (I-JSON, RFC 7493)",
+        param=where,
+        code="invalid_json",
+    )
+
+
+def _lone_surrogate(text: str) -> tuple[str, str] | None:
+    """Where the first string in `text` that holds a lone surrogate is (a key: its object)
+    and whether it is a value or a key; stdlib json keeps lone surrogates where orjson
+    refuses them. Only for naming the field."""
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[Any, tuple | None]] = [(body, None)]
+    while stack:
+        value, trail = stack.pop()
+        if isinstance(value, str):
+            if not _encodes(value):
+                return _path(trail) or "request body", "the string"
+        elif isinstance(value, dict):
+            if not all(_encodes(k) for k in value):
+                return _path(trail) or "request body", "a key"
+            stack.extend((v, (trail, k)) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((v, (trail, i)) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
+def _encodes(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # JSON nests up to 1024 levels before orjson.loads refuses it, but chat templates,

@@ -19,6 +19,7 @@ from engine_bridge.types import (
     TokenEvent,
 )
 
+from . import fields as f
 from .errors import ApiError
 from .output import Part
 from .state import REQUEST_ID, SETTINGS
@@ -83,7 +84,7 @@ def request_options(request: web.Request) -> tuple[str, bool]:
     """The tenant and whether the cache may be used, from the request's headers."""
     settings = request.app[SETTINGS]
     tenant = settings.default_tenant
-    header = request.headers.get(settings.tenant_header)
+    header = f.header(request, settings.tenant_header)
     key = _api_key(request)
     if key and key in settings.tenant_api_keys:
         # A key's tenant is who the caller is: a header must not pick another tenant's cache.
@@ -106,7 +107,7 @@ def session_id(request: web.Request, from_body: str | None) -> str:
     """The client's session: a session header, else the dialect's user field, else ""
     (`start` then names the session after the conversation's first user message)."""
     for name in SESSION_HEADERS:
-        if value := request.headers.get(name, "").strip():
+        if value := f.header(request, name).strip():
             return bounded_id(value)
     return bounded_id(from_body or "")
 

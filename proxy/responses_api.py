@@ -102,13 +102,13 @@ def session_of(request: web.Request, body: dict) -> str:
     if found := session_id(request, None):
         return found
     for name in THREAD_HEADERS:
-        if value := request.headers.get(name, "").strip():
+        if value := f.header(request, name).strip():
             return bounded_id(value)
     key = f.get_str(body, "prompt_cache_key", None)
     if key:
         return bounded_id(key)
     for name in SESSION_HEADERS:
-        if value := request.headers.get(name, "").strip():
+        if value := f.header(request, name).strip():
             return bounded_id(value)
     return bounded_id(f.get_str(body, "user", None) or "")
 

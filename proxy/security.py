@@ -167,9 +167,13 @@ class BrowserPolicy:
 
     def key_valid(self, key: str | None) -> bool:
         # compare_digest against every key, so the time taken does not say which was close.
+        if key is None:
+            return False
+        # surrogatepass: a key header whose bytes are not UTF-8 is a wrong key, not a 500.
+        raw = key.encode("utf-8", "surrogatepass")
         found = False
         for known in self.api_keys:
-            found |= key is not None and hmac.compare_digest(key.encode(), known.encode())
+            found |= hmac.compare_digest(raw, known.encode())
         return found
 
 

@@ -355,6 +355,16 @@ async def test_exposed_server_with_keys_wants_a_key_on_every_route_but_health(se
     assert (await local.get("/health")).status == 200
 
 
+async def test_a_key_header_that_is_not_utf8_is_a_wrong_key_not_a_500(serve_app):
+    # aiohttp decodes such bytes as lone surrogates, which str.encode() refused.
+    local = await serve_app(browser_policy("0.0.0.0", api_keys=["sk-team"]))
+    async with httpx.AsyncClient(base_url=f"http://{local.host}") as client:
+        for name, value in (("authorization", b"Bearer sk-\xff"), ("x-api-key", b"sk-\xff")):
+            r = await client.get("/v1/models", headers={name: value})
+            assert r.status_code == 401, (name, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+
+
 async def test_loopback_server_with_keys_needs_no_key(serve_app):
     local = await serve_app(browser_policy("127.0.0.1", api_keys=["sk-team"]))
     assert (await local.get("/v1/models")).status == 200

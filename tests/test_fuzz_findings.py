@@ -114,3 +114,110 @@ def test_odd_values_in_named_fields_are_a_400_not_a_500(server, route, body, fie
     )
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"]
+
+
+# A JSON "\udcff" escape: valid syntax, but a lone surrogate, which no UTF-8 text holds.
+LONE = '"a\\udcffb"'
+JUNK = '{"role": "user", "content": [{"type": "text", "text": "x", "\\u00e5": [{}, null]}]}'
+
+
+def _openai_error(r: httpx.Response, param: str) -> None:
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert error["message"].startswith(f"{param}: "), error
+
+
+@pytest.mark.parametrize(
+    "route,body,param",
+    [
+        ("/v1/cache/probe", f'"user": {LONE}, "messages": [{JUNK}]', "user"),
+        ("/v1/cache/warm", f'"user": {LONE}, "messages": [{JUNK}]', "user"),
+        ("/v1/chat/completions", f'"user": {LONE}, "messages": [{JUNK}]', "user"),
+        (
+            "/v1/cache/probe",
+            f'"messages": [{{"role": "user", "content": {LONE}}}]',
+            "messages[0].content",
+        ),
+        ("/v1/cache/warm", f'"messages": [{JUNK}, {{"role": {LONE}}}]', "messages[1].role"),
+        ("/v1/completions", f'"prompt": {LONE}', "prompt"),
+        ("/v1/chat/completions", f'{CHAT}, "stop": ["x", {LONE}]', "stop[1]"),
+    ],
+)
+def test_a_lone_surrogate_escape_is_a_400_naming_its_field(server, route, body, param):
+    raw = '{"model": "demo-llama", "max_tokens": 2, ' + body + "}"
+    r = httpx.post(
+        server.url + route,
+        content=raw.encode(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    _openai_error(r, param)
+    assert "lone surrogate" in r.json()["error"]["message"]
+
+
+def test_a_lone_surrogate_in_an_anthropic_body_is_a_400_in_its_shape(server):
+    raw = '{"model": "demo-llama", "max_tokens": 2, "metadata": {"user_id": ' + LONE + "}, "
+    raw += CHAT + "}"
+    for route in ("/v1/messages", "/v1/cache/probe"):
+        r = httpx.post(
+            server.url + route,
+            content=raw.encode(),
+            # Probe reads the body's dialect from the body, unless this header says it.
+            headers={"content-type": "application/json", "anthropic-version": "2023-06-01"},
+            timeout=60,
+        )
+        assert r.status_code == 400, r.text
+        assert r.json() == {
+            "type": "error",
+            "error": {
+                "type": "invalid_request_error",
+                "message": "metadata.user_id: the string holds a lone surrogate escape "
+                "(\\ud800-\\udfff without its pair), which is not a character (I-JSON, RFC 7493)",
+            },
+        }
+
+
+# aiohttp decodes header bytes that are not UTF-8 as lone surrogates ("\xff" -> "\udcff"):
+# the tenant went into the cache's hash (a 500 on every generation route, probe and warm),
+# a session id into the session registry's SQLite rows (its save failed for everyone).
+@pytest.mark.parametrize("name", ["x-tenant", "x-session-id", "X-Claude-Code-Session-Id"])
+@pytest.mark.parametrize(
+    "route",
+    [
+        "/v1/cache/probe",
+        "/v1/cache/warm",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/api/v0/chat/completions",
+    ],
+)
+def test_a_header_that_is_not_utf8_is_a_400_naming_it(server, route, name):
+    body = {"model": "demo-llama", "max_tokens": 2, "temperature": 0}
+    if route == "/v1/completions":
+        body["prompt"] = "hi"
+    elif route == "/v1/responses":
+        body = {"model": "demo-llama", "max_output_tokens": 16, "input": "hi"}
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    r = httpx.post(server.url + route, json=body, headers={name: b"a\xffb"}, timeout=60)
+    _openai_error(r, name)
+    assert r.json()["error"]["message"] == f"{name}: header is not valid UTF-8"
+    assert r.json()["error"]["code"] == "invalid_header"
+
+
+def test_a_tenant_header_that_is_not_utf8_is_a_400_in_anthropic_shape(server):
+    body = {"model": "demo-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(
+        server.url + "/v1/messages", json=body, headers={"x-tenant": b"\xff"}, timeout=60
+    )
+    assert r.status_code == 400, r.text
+    assert r.json() == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "x-tenant: header is not valid UTF-8",
+        },
+    }
