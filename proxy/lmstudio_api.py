@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 
@@ -11,8 +14,27 @@ from engine_bridge.engine import Engine
 
 from . import openai_api
 from .fields import parse_json_object, read_body
-from .passthrough import UPSTREAM_CONFIG, UPSTREAM_SESSION, forward, upstream_url
+from .passthrough import (
+    MODELS_TIMEOUT_S,
+    UPSTREAM_CONFIG,
+    UPSTREAM_SESSION,
+    _reason,
+    forward,
+    upstream_url,
+)
 from .state import ENGINE, SETTINGS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Listing:
+    # The upstream failure warned about last: clients poll the model list, so the same
+    # failure again is a debug line, and a new one (or the first after a success) a warning.
+    warned: str | None = None
+
+
+_LISTING = web.AppKey("lmstudio_listing", _Listing)
 
 
 async def _local_or_forward(request: web.Request, route) -> web.StreamResponse:
@@ -56,19 +78,42 @@ async def models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     data = [local_model_entry(engine, m) for m in engine.model_ids]
     seen = {d["id"] for d in data}
-    config = request.app[UPSTREAM_CONFIG]
-    if config.enabled:
-        try:
-            async with request.app[UPSTREAM_SESSION].get(upstream_url(config, request)) as r:
-                if r.status == 200:
-                    upstream = orjson.loads(await r.read()).get("data", [])
-                    data += [d for d in upstream if isinstance(d, dict) and d.get("id") not in seen]
-        except Exception:  # an unreachable upstream leaves just the local list
-            pass
+    if request.app[UPSTREAM_CONFIG].enabled:
+        upstream = await _upstream_entries(request)
+        data += [d for d in upstream if d.get("id") not in seen]
     return web.json_response({"object": "list", "data": data})
 
 
+async def _upstream_entries(request: web.Request) -> list[dict[str, Any]]:
+    """The upstream's own /api/v0/models entries; none, and a warning, when it cannot say."""
+    config = request.app[UPSTREAM_CONFIG]
+    url = upstream_url(config, request)
+    timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S, sock_connect=config.connect_timeout_s)
+    try:
+        async with request.app[UPSTREAM_SESSION].get(url, timeout=timeout) as r:
+            status, raw = r.status, await r.read()
+    except (aiohttp.ClientError, TimeoutError) as e:
+        return _not_listed(request.app, f"GET {url} failed: {_reason(e)}")
+    if status != 200:
+        return _not_listed(request.app, f"GET {url} answered HTTP {status}")
+    try:
+        listed = [d for d in orjson.loads(raw)["data"] if isinstance(d, dict)]
+    except (orjson.JSONDecodeError, KeyError, TypeError) as e:
+        return _not_listed(request.app, f"GET {url} returned no model list: {e!r}")
+    request.app[_LISTING].warned = None
+    return listed
+
+
+def _not_listed(app: web.Application, why: str) -> list[dict[str, Any]]:
+    listing = app[_LISTING]
+    level = logging.DEBUG if listing.warned == why else logging.WARNING
+    listing.warned = why
+    log.log(level, "/api/v0/models lists the local models only: %s", why)
+    return []
+
+
 def add_routes(app: web.Application) -> None:
+    app[_LISTING] = _Listing()
     app.router.add_post("/api/v0/chat/completions", chat_completions)
     app.router.add_post("/api/v0/completions", completions)
     app.router.add_get("/api/v0/models", models)
