@@ -159,7 +159,9 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def cache_stats(request: web.Request) -> web.Response:
-    return web.json_response(request.app[ENGINE].stats())
+    # Off the event loop, as /metrics reads them: the SSD index's counts wait for its lock,
+    # which the SSD writer thread holds while it writes, and every other route would wait.
+    return web.json_response(await asyncio.to_thread(request.app[ENGINE].stats))
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
