@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -45,6 +46,7 @@ from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
 from engine_bridge.cache.manager import CacheManager
 from engine_bridge.cache.ssd import SSDConfig, SSDStore
+from engine_bridge.cache.tier_writes import REWRITE_TRIES
 from engine_bridge.cache.tiers import TieredCache
 
 BS = 4
@@ -172,6 +174,74 @@ def test_spill_only_tier_spills_again_what_the_deleted_folder_held(tmp_path):
     assert t.ssd.flush() and t.ssd.stats().spills == 14
     t.close(5.0)
     assert on_disk(root, c, ()) == [True] * 7
+
+
+def lost_backlog(root: Path, monkeypatch, failing) -> TieredCache:
+    """Tiers whose 7 blocks of TOKENS were written, then lost with the deleted folder (so
+    RAM's copies wait to be put again); `failing(key)` makes the store's put raise."""
+    t = open_tiers(root)
+    c = chain()
+    t.store_blocks(c, SCOPE, {i: block(i) for i in range(7)})
+    assert t.ssd.flush() and t.ssd.stats().writes == 7
+    real_put = t.ssd.put
+
+    def put(scope, kind, key, *args, **kwargs):
+        if failing(key):
+            raise OSError(errno.EIO, "injected: the put failed")
+        return real_put(scope, kind, key, *args, **kwargs)
+
+    monkeypatch.setattr(t.ssd, "put", put)
+    shutil.rmtree(root)
+    t.ssd.check_folder()
+    assert t.writes.stats().rewrites_pending == 7
+    return t
+
+
+def test_a_put_fault_on_every_entry_leaves_the_rewrite_backlog_for_later(tmp_path, monkeypatch):
+    """One request's rewrite meets a fault every put hits: it stops there, and the backlog
+    (all but nothing) is written once the fault is gone, instead of dropped in one go."""
+    root = tmp_path / "cache"
+    fault = threading.Event()
+    fault.set()
+    t = lost_backlog(root, monkeypatch, lambda key: fault.is_set())
+    c = chain()
+    assert t.lookup(c, SCOPE, needs_checkpoint=False).ram_length == 28
+    assert t.writes.stats().rewrites_pending == 7  # before the fix: 0, all dropped
+    fault.clear()
+    assert t.lookup(c, SCOPE, needs_checkpoint=False).ram_length == 28
+    assert t.ssd.flush()
+    assert t.writes.stats() == replace(t.writes.stats(), rewrites_pending=0, rewrite_failures=0)
+    t.close(5.0)
+    assert on_disk(root, c, ()) == [True] * 7
+
+
+def test_one_entry_whose_put_keeps_failing_is_given_up_and_counted(tmp_path, monkeypatch, caplog):
+    root = tmp_path / "cache"
+    c = chain()
+    bad = c.hashes[2]
+    t = lost_backlog(root, monkeypatch, lambda key: key == bad)
+    pending = []
+    with caplog.at_level(logging.DEBUG, logger="engine_bridge.cache.tiers"):
+        for _ in range(REWRITE_TRIES + 1):  # one request's lookup each
+            assert t.lookup(c, SCOPE, needs_checkpoint=False).ram_length == 28
+            pending.append(t.writes.stats().rewrites_pending)
+    assert t.ssd.flush()
+    stats = t.writes.stats()
+    t.close(5.0)
+    # The first request put the blocks ahead of block 2 in the backlog, then 2 failed and
+    # went behind the rest, which the second request put; the third gave 2 up.
+    assert 1 < pending[0] < 7 and pending[1:] == [1, 0, 0], pending
+    assert (stats.rewrites_pending, stats.rewrite_failures) == (0, 1)
+    assert on_disk(root, c, ()) == [True, True, False, True, True, True, True]
+    given_up = [
+        r
+        for r in caplog.records
+        if r.name == "engine_bridge.cache.tiers" and r.levelno >= logging.WARNING
+    ]
+    assert [r.getMessage() for r in given_up] == [
+        "ssd: gave up writing a lost block again after 3 failed puts (RAM still holds it; "
+        "1 given up so far): OSError(5, 'injected: the put failed')"
+    ]
 
 
 # -- unwritable while serving: store and tiers ----------------------------------------------

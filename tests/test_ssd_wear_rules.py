@@ -10,7 +10,7 @@ only the model is absent (payloads are built directly).
 from __future__ import annotations
 
 from engine_bridge import kv
-from engine_bridge.cache.checkpoint_writes import DeferredWrites
+from engine_bridge.cache.checkpoint_writes import DeferredStats, DeferredWrites
 from engine_bridge.cache.hashing import Chain
 from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
@@ -224,3 +224,40 @@ def test_a_held_back_checkpoint_waits_from_the_end_of_its_request(tmp_path):
         now[0] = 18.0
         t.deferred.flush()
         assert checkpoints_on_disk(ssd, c, (5, 22)) == {5, 22}
+
+
+def test_held_back_writes_are_bounded_and_the_oldest_go_out_early(tmp_path):
+    """Five sessions' prompt ends wait for an hour; past the count bound (3), then the
+    byte bound (two snapshots' host bytes), the oldest are written now, and counted."""
+    sessions = [chain(list(range(1000 * k, 1000 * k + 30))) for k in range(1, 6)]
+    with open_ssd(tmp_path) as ssd:
+        t = hybrid_tiers(ssd)
+        t.writes.deferred = DeferredWrites(HOUR, max_held=3)
+        for c in sessions:
+            store(t, c, (5, Reason.BOUNDARY), (22, Reason.PROMPT_END))
+        one = t.deferred.nbytes // 3
+        assert t.stats().writes.deferred == DeferredStats(
+            held=3, held_bytes=3 * one, max_held=3, max_held_bytes=1 << 30, dropped=0, early=2
+        )
+        on_disk = [checkpoints_on_disk(ssd, c, (5, 22)) for c in sessions]
+        assert on_disk == [{5, 22}, {5, 22}, {5}, {5}, {5}]
+
+        t.writes.deferred = DeferredWrites(HOUR, max_bytes=2 * one + one // 2)
+        more = [chain(list(range(1000 * k, 1000 * k + 30))) for k in range(6, 9)]
+        for c in more:
+            store(t, c, (5, Reason.BOUNDARY), (22, Reason.PROMPT_END))
+        assert (t.deferred.stats().held, t.deferred.stats().early) == (2, 1)
+        assert [checkpoints_on_disk(ssd, c, (5, 22)) for c in more] == [{5, 22}, {5}, {5}]
+
+
+def test_past_the_bound_a_superseded_held_write_is_dropped_before_any_goes_early(tmp_path):
+    turns = chain()
+    with open_ssd(tmp_path) as ssd:
+        t = hybrid_tiers(ssd)
+        t.writes.deferred = DeferredWrites(HOUR, max_held=2)
+        store(t, turns, (5, Reason.BOUNDARY), (9, Reason.PROMPT_END))
+        store(t, turns, (13, Reason.BOUNDARY), (17, Reason.PROMPT_END))
+        assert superseded(t) == {9, 13}
+        stats = t.deferred.stats()
+        assert (stats.held, stats.dropped, stats.early) == (2, 1, 0)
+        assert checkpoints_on_disk(ssd, turns, (5, 9, 13, 17)) == {5}

@@ -20,7 +20,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine_bridge.cache.checkpoint_writes import DeferredWrites, has_snapshots, skip_if_superseded
+from engine_bridge.cache.checkpoint_writes import (
+    DeferredStats,
+    DeferredWrites,
+    has_snapshots,
+    skip_if_superseded,
+)
 from engine_bridge.cache.checkpoints import Checkpoint
 from engine_bridge.cache.hashing import BlockHash, Chain
 from engine_bridge.cache.index import Scope
@@ -38,6 +43,9 @@ META_REASON = "cache.reason"
 META_TOKENS = "cache.tokens"
 # Periodic checkpoint writes and resume points remembered for `_periodic_due`.
 _PERIODIC_MEMO = 1024
+# Puts of one lost entry that may fail (turning it into host bytes, queueing it) before it
+# is given up and counted: a fault of one entry must not hold the rest back for ever.
+REWRITE_TRIES = 3
 
 
 class Codec(Protocol):
@@ -63,6 +71,15 @@ class Stored:
     @property
     def nbytes(self) -> int:
         return self.payload.nbytes
+
+
+@dataclass(slots=True, frozen=True)
+class WriteStats:
+    """What /v1/cache/stats shows under "writes": held-back checkpoints and lost entries."""
+
+    deferred: DeferredStats
+    rewrites_pending: int  # entries the SSD lost that RAM holds, waiting to be put again
+    rewrite_failures: int  # of those, given up after REWRITE_TRIES failed puts
 
 
 class TierWrites:
@@ -98,9 +115,11 @@ class TierWrites:
         # into host bytes evaluates arrays. Unset, they go out with the next request.
         self.call_on_mlx: Callable[[Callable[[], object]], object] | None = None
         self._flush_asked = threading.Event()
-        # Entries RAM holds that the SSD lost, to put again (see `_ssd_lost`).
-        self._rewrite: deque[tuple[EntryKind, BlockHash]] = deque()
+        # Entries RAM holds that the SSD lost, to put again (see `_ssd_lost`), each with
+        # the puts of it that failed so far.
+        self._rewrite: deque[tuple[EntryKind, BlockHash, int]] = deque()
         self._rewrite_lock = threading.Lock()
+        self.rewrite_failures = 0
         if ssd is not None:
             ram.on_evict = self.spill
             ssd.on_lost = self._ssd_lost
@@ -109,6 +128,9 @@ class TierWrites:
     @property
     def rewrites_pending(self) -> bool:
         return bool(self._rewrite)
+
+    def stats(self) -> WriteStats:
+        return WriteStats(self.deferred.stats(), len(self._rewrite), self.rewrite_failures)
 
     def reused(self, chain: Chain, match: Match) -> None:
         """A request restores from these entries: second-use writes them now, and so does
@@ -255,7 +277,7 @@ class TierWrites:
             stored.on_ssd = outcome in ("queued", "duplicate")
             return outcome == "queued"
 
-        self.deferred.add(entry, put)
+        self.deferred.add(entry, put, sum(t.nbytes for t in tensors.values()))
 
     def _write_checkpoint(
         self, chain: Chain | None, entry: Checkpoint, why: PutReason, *, skip: bool = True
@@ -379,19 +401,24 @@ class TierWrites:
             entry.payload.on_ssd = False
         if self.policy is WritePolicy.THROUGH:
             with self._rewrite_lock:
-                self._rewrite.extend((e.kind, e.key) for e in held)
+                self._rewrite.extend((e.kind, e.key, 0) for e in held)
         return len(held)
 
     def rewrite_some(self, limit: int) -> int:
         """Put up to `limit` entries of the rewrite backlog, as far as the SSD queue has
-        room; skips those evicted (spilled then) or still on disk. Returns how many."""
+        room; skips those evicted (spilled then) or still on disk. Returns how many.
+
+        A put that raises ends the call, and its entry goes to the back of the backlog, so
+        a fault that hits every put cannot drain it in one call, and one that hits a single
+        entry does not stop the others; an entry whose put failed REWRITE_TRIES times is
+        given up (and counted): RAM still holds it, and its eviction spills it."""
         assert self.ssd is not None
-        limit, queued, failed = min(limit, self.ssd.room), 0, None
+        limit, queued = min(limit, self.ssd.room), 0
         while queued < limit:
             with self._rewrite_lock:
                 if not self._rewrite:
                     break
-                kind, key = self._rewrite.popleft()
+                kind, key, tries = self._rewrite.popleft()
             entry = self.ram.entry(kind, key)
             if entry is None or entry.payload.on_ssd:
                 continue
@@ -401,20 +428,38 @@ class TierWrites:
             try:
                 outcome = self._put(entry, "write_through")
             except Exception as e:  # e.g. at close, off the MLX thread (see `close`)
-                failed = e
-                continue
+                self._rewrite_failed(kind, key, tries + 1, e)
+                break
             if outcome == "dropped":  # the queue filled up meanwhile: later
                 with self._rewrite_lock:
-                    self._rewrite.appendleft((kind, key))
+                    self._rewrite.appendleft((kind, key, tries))
                 break
             if outcome == "disabled":  # RAM-only again; a resume re-queues everything
                 with self._rewrite_lock:
                     self._rewrite.clear()
                 break
             queued += outcome == "queued"
-        if failed is not None:
-            log.warning("ssd: could not put entries RAM holds to write them again: %r", failed)
         return queued
+
+    def _rewrite_failed(
+        self, kind: EntryKind, key: BlockHash, tries: int, error: Exception
+    ) -> None:
+        if tries < REWRITE_TRIES:
+            with self._rewrite_lock:
+                self._rewrite.append((kind, key, tries))
+            log.debug(
+                "ssd: putting a lost %s again failed (try %d): %r", kind.name.lower(), tries, error
+            )
+            return
+        self.rewrite_failures += 1
+        n = self.rewrite_failures
+        # A fault of every put gives up every entry: the first and every 100th say so.
+        log.log(
+            logging.WARNING if n == 1 or n % 100 == 0 else logging.DEBUG,
+            "ssd: gave up writing a lost %s again after %d failed puts (RAM still holds it; "
+            "%d given up so far): %r",
+            kind.name.lower(), tries, n, error,
+        )  # fmt: skip
 
     # ---- close --------------------------------------------------------------------------
 

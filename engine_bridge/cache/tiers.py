@@ -25,7 +25,7 @@ from engine_bridge.cache.kinds import EntryKind, Reason
 from engine_bridge.cache.manager import CacheManager, CacheStats
 from engine_bridge.cache.matching import Match
 from engine_bridge.cache.ssd import SSDStats, SSDStore
-from engine_bridge.cache.tier_writes import META_REASON, Codec, Stored, TierWrites
+from engine_bridge.cache.tier_writes import META_REASON, Codec, Stored, TierWrites, WriteStats
 from engine_bridge.cache.write_policy import WritePolicy
 
 if TYPE_CHECKING:
@@ -85,6 +85,7 @@ class TierStats:
     ram: CacheStats
     ssd: SSDStats | None
     shared: SharedStats | None = None
+    writes: WriteStats | None = None  # None without an SSD
 
 
 class TieredCache:
@@ -433,6 +434,7 @@ class TieredCache:
             self.ram.stats(),
             self.ssd.stats() if self.ssd is not None else None,
             self.shared.stats() if self.shared is not None else None,
+            self.writes.stats() if self.ssd is not None else None,
         )
 
     def close(self, timeout_s: float) -> None:
