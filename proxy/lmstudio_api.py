@@ -9,6 +9,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 from engine_bridge.engine import Engine
 
@@ -21,6 +22,7 @@ from .passthrough import (
     _reason,
     forward,
     upstream_url,
+    with_token,
 )
 from .state import ENGINE, SETTINGS
 
@@ -90,7 +92,8 @@ async def _upstream_entries(request: web.Request) -> list[dict[str, Any]]:
     url = upstream_url(config, request)
     timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S, sock_connect=config.connect_timeout_s)
     try:
-        async with request.app[UPSTREAM_SESSION].get(url, timeout=timeout) as r:
+        headers = with_token(CIMultiDict(), config)
+        async with request.app[UPSTREAM_SESSION].get(url, timeout=timeout, headers=headers) as r:
             status, raw = r.status, await r.read()
     except (aiohttp.ClientError, TimeoutError) as e:
         return _not_listed(request.app, f"GET {url} failed: {_reason(e)}")

@@ -105,6 +105,8 @@ def test_loading_a_model_lm_studio_holds_unloads_its_instances_first(
             merged = httpx.get(server.url + "/v1/models", timeout=30,
                                headers={"Authorization": "Bearer for-the-proxy"})  # fmt: skip
             assert "qwen/qwen3-8b" in {m["id"] for m in merged.json()["data"]}
+            v0 = httpx.get(server.url + "/api/v0/models", timeout=30).json()["data"]
+            assert "qwen/qwen3-8b" in {m["id"] for m in v0}
             assert {c.authorization for c in fake.calls} == {f"Bearer {TOKEN}"}
         finally:
             server.stop()
