@@ -26,6 +26,7 @@ SCENARIOS = (
     "shared",
     "wear",
     "vision",
+    "speculative",
 )
 HYBRID_DEFAULT = ("demo-hybrid", "demo-swa")
 

@@ -235,6 +235,7 @@ def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
     from .overhead import overhead
     from .restart import restart
     from .shared import shared
+    from .speculative import scenario as speculative
     from .vision import vision
     from .wear import scenario as wear
 
@@ -249,6 +250,7 @@ def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
         "shared": shared,
         "wear": wear,
         "vision": vision,
+        "speculative": speculative,
     }
 
 

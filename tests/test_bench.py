@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter
 
-from bench import SCENARIOS, concurrency, scenario_names, traces
+from bench import SCENARIOS, concurrency, scenario_names, speculative, traces
 from bench.agent_tools import TOOL_NAMES
 from bench.harness import Settings
 from bench.plots import plot_all
@@ -407,3 +407,43 @@ def test_bench_without_redis_or_mlx_vlm_skips_their_scenarios_and_exits_0(tmp_pa
     assert table[4].startswith("| chat | demo-llama | mean TTFT of turns 2..N (s) | ")
     md = (out / "results.md").read_text()
     assert f"- **skipped**: {NO_MLX_VLM}" in md and NO_MATPLOTLIB in md
+
+
+def test_speculative_scenario_reports_every_drafter_on_every_demo_model(tmp_path, demo_root):
+    model = ModelSpec("demo-llama", demo_root / "models" / "demo-llama", is_demo=True)
+    lines: list[str] = []
+    settings = Settings(tmp_path, model, [], quick=True, progress=lines.append)
+    results = speculative.scenario(settings, model, speculative.TINY)
+    assert [(r.scenario, r.model, r.errors) for r in results] == [
+        ("speculative", m, []) for m in speculative.MODELS
+    ]
+    others = speculative.CONFIGS[1:]
+    for r in results:
+        assert r.metrics["outputs_identical"] == 1.0, r.model
+        assert set(r.rows[0].ratios) == {f"{c} / off" for c in others}
+        assert [row.metric for row in r.rows[1:]] == [
+            f"decode tok/s, {speculative.LABELS[c]}" for c in others
+        ]
+        assert all(row.values["ours"] > 0 for row in r.rows), r.rows
+        assert sorted((s.label, s.step) for s in r.samples) == sorted(
+            (c, k) for c in speculative.CONFIGS for k in range(speculative.TINY.repeats)
+        )
+        assert len({s.output for s in r.samples}) == 1
+        m = r.metrics
+        assert (m["off_tokens_per_step"], m["off_acceptance"]) == (1.0, None)
+        assert (m["oracle_acceptance"], m["wrong_acceptance"]) == (1.0, 0.0)
+        assert m["oracle_tokens_per_step"] > m["lookup_tokens_per_step"] > 1.0
+        assert m["lookup_acceptance"] > 0.5
+        assert "target ≥ 2× off: " in r.rows[1].note and "target ≥ 0.95× off: " in r.rows[3].note
+    assert any("[speculative] demo-swa wrong 1/1: " in ln for ln in lines), lines
+    # A run that wrote something else is an error, not a row to read.
+    answer = json.loads((tmp_path / "work" / "speculative" / "speculative.json").read_text())
+    measured = answer["models"][0]
+    measured["runs"][-1]["text"] += "x"
+    (broken,) = [speculative.summarize(answer, measured)]
+    assert broken.metrics["outputs_identical"] == 0.0
+    assert broken.errors == [
+        "speculation changed the greedy output: wrong run 1 wrote "
+        f"{measured['runs'][0]['completion_tokens']} tokens (stop) a different text; off wrote "
+        f"{measured['runs'][0]['completion_tokens']} (stop)"
+    ]
