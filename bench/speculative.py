@@ -221,12 +221,15 @@ def measure_model(model_id: str, root: Path, case: Case, sizes: Sizes) -> dict[s
     """Every configuration on one model, interleaved; the forced output must already be
     in the environment."""
     from engine_bridge.engine import Engine, EngineSettings
+    from engine_bridge.speculation.control import Mode
 
     with tempfile.TemporaryDirectory(prefix="bench-speculative-") as tmp:
         cache_dir = Path(tmp)
         (cache_dir / "models").symlink_to(root / "models")
         engine = Engine(EngineSettings(cache_dir=cache_dir, model_specs=[model_id],
                                        ssd_enabled=False))  # fmt: skip
+        # Measured against plain decode whatever "auto" would pick on this device.
+        engine.scheduler.settings.speculation.mode = Mode.PROMPT_LOOKUP
         loop = asyncio.Runner()
         try:
             return loop.run(_measure(engine, model_id, case, sizes))

@@ -19,6 +19,7 @@ import pytest
 from engine_bridge.engine import Engine, EngineSettings
 from engine_bridge.forced_output import ENV
 from engine_bridge.runner import Runner
+from engine_bridge.speculation.control import Mode, SpeculativeSettings
 from engine_bridge.types import GenerationRequest, GenerationResult, Message, Sampling
 from tests.conftest import DEMO_IDS, fresh_cache_dir
 
@@ -110,6 +111,8 @@ def _build(demo_root, where, model_ids) -> Engine:
             cache_dir=fresh_cache_dir(demo_root, where),
             model_specs=list(model_ids),
             ssd_enabled=False,
+            # "auto" drafts only on a GPU; these tests run prompt lookup on the CPU too.
+            speculation=SpeculativeSettings(mode=Mode.PROMPT_LOOKUP),
         )
     )
 

@@ -28,7 +28,11 @@ def server(demo_root, tmp_path_factory):
         fresh_cache_dir(demo_root, root / "cache"),
         "--upstream",
         "http://127.0.0.1:9",
-        env={"MLX_PROMPT_CACHE_FORCE_OUTPUT": str(forced)},
+        # "auto" drafts only on a GPU: on this CPU prompt lookup is asked for by name.
+        env={
+            "MLX_PROMPT_CACHE_FORCE_OUTPUT": str(forced),
+            "MLX_PROMPT_CACHE_ENGINE_SPECULATIVE": "prompt-lookup",
+        },
     )
     yield s
     s.stop()
