@@ -188,6 +188,11 @@ def test_loaded_parameters_equal_saved_weights(demo_root, loaded, name):
     saved = mx.load(str(demo_root / "models" / name / "model.safetensors"))
     model, _ = loaded[name]
     params = dict(tree_flatten(model.parameters()))
+    # demo-hybrid also carries an MTP head (`mtp.*`, as Qwen3.5 ships it), which mlx-lm
+    # drops: tests/test_speculative_mtp.py loads it.
+    head = sorted(k for k in saved if k.startswith("mtp."))
+    assert bool(head) == (name == "demo-hybrid"), head
+    saved = {k: v for k, v in saved.items() if not k.startswith("mtp.")}
     assert sorted(params) == sorted(saved)
     for key, value in saved.items():
         assert mx.array_equal(params[key], value).item(), key

@@ -42,6 +42,9 @@ _SPECS: dict[str, dict[str, Any]] = {
         "linear_key_head_dim": 16,
         "linear_value_head_dim": 16,
         "linear_conv_kernel_dim": 4,
+        # A multi-token-prediction head as Qwen3.5/3.6 ship it (`mtp.*` weights), so the
+        # MTP drafter runs in tests; random, so it is seldom right.
+        "mtp_num_hidden_layers": 1,
         "rms_norm_eps": 1e-6,
         "rope_parameters": {
             "rope_type": "default",

@@ -59,13 +59,25 @@ def _init(name: str, value: mx.array, muted_rows: list[int]) -> mx.array:
 
 def random_weights(config: dict[str, Any], muted_token_ids: list[int]) -> dict[str, np.ndarray]:
     """All parameters of the model `config` describes, as float32 numpy arrays."""
-    model = build_model(config)
+    named = tree_flatten(build_model(config).parameters())
+    head = _mtp_head(config)
+    if head is not None:
+        # Under the checkpoint's own names, beside the model's (mlx-lm drops them on load).
+        named += [(f"mtp.{name}", value) for name, value in tree_flatten(head.parameters())]
     params = {}
-    for name, value in tree_flatten(model.parameters()):
+    for name, value in named:
         new = _init(name, value, muted_token_ids).astype(mx.float32)
         mx.eval(new)
         params[name] = np.array(new)
     return params
+
+
+def _mtp_head(config: dict[str, Any]):
+    """The multi-token-prediction head `config` declares (Qwen3.5's `mtp.*`), or None."""
+    from ..speculation import mtp
+
+    declared = mtp.head_args(copy.deepcopy(config))
+    return None if declared is None else mtp.MTPHead(*declared)
 
 
 def save_weights(params: dict[str, np.ndarray], path: Path) -> None:
