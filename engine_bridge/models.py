@@ -25,6 +25,7 @@ from mlx_lm.utils import load_tokenizer
 from . import demo, kv, vision
 from .output_format import OutputFormat
 from .prefix_memo import PrefixMemo
+from .speculation.mtp import MTPSource, has_head
 from .types import EngineError
 
 log = logging.getLogger("engine_bridge.models")
@@ -77,6 +78,9 @@ class LoadedModel:
     has_vision_tower: bool = False
     # Its reasoning and tool-call markup, as mlx-lm infers it from the tokenizer.
     output_format: OutputFormat = field(default_factory=OutputFormat)
+    # Its multi-token-prediction head (Qwen3.5/3.6 `mtp.*` weights), read on first use;
+    # None where the checkpoint has none.
+    mtp: MTPSource | None = None
 
 
 def resolve(spec: str, cache_dir: Path, lmstudio_dirs: list[Path]) -> ModelRef:
@@ -133,10 +137,11 @@ def load(ref: ModelRef) -> LoadedModel:
         vision=seeing,
         has_vision_tower=vision.has_vision_tower(config),
         output_format=OutputFormat.of(tokenizer),
+        mtp=MTPSource(ref.path, config) if seeing is None and has_head(ref.path, config) else None,
     )
     log.info(
         "loaded model %s from %s in %.2fs (kind=%s, context=%d, fingerprint=%s, "
-        "tool calls=%s, reasoning=%s)",
+        "tool calls=%s, reasoning=%s, mtp head=%s)",
         loaded.id,
         loaded.path,
         load_s,
@@ -146,6 +151,7 @@ def load(ref: ModelRef) -> LoadedModel:
         loaded.output_format.family or "none",
         loaded.output_format.think_start
         or ("channels" if loaded.output_format.harmony else "none"),
+        "yes" if loaded.mtp is not None else "no",
     )
     return loaded
 

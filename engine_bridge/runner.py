@@ -41,6 +41,7 @@ from .models import LoadedModel
 from .sampling import greedy_tokens, sample_rows
 from .sequence import Seq
 from .speculation.control import Speculation
+from .speculation.mtp import MTPDrafter
 from .types import GenerationRequest, GenerationResult, PromptInfo
 
 if TYPE_CHECKING:
@@ -149,7 +150,8 @@ class Runner:
         return len(self.prefilling) + len(self.running)
 
     def live_bytes(self) -> int:
-        return self.batch.nbytes + sum(kv.live_nbytes(s.cache) for s in self.prefilling)
+        heads = sum(s.mtp.nbytes for s in (*self.prefilling, *self.running) if s.mtp is not None)
+        return self.batch.nbytes + sum(kv.live_nbytes(s.cache) for s in self.prefilling) + heads
 
     def step(self) -> bool:
         """One scheduling step for this model; True when it did any work."""
@@ -250,6 +252,8 @@ class Runner:
             seq.cached = seq.position
             seq.stops = deque(self._prefill_stops(seq))
             seq.spec = self._speculation(job) if kv.can_rewind(seq.cache) else None
+            drafter = seq.spec.drafter if seq.spec is not None else None
+            seq.mtp = drafter if isinstance(drafter, MTPDrafter) else None
         except BaseException as e:  # surfaced on the event loop, not lost in the thread
             log.exception("[%s] restore failed", req.request_id)
             pending.emit(Failed(e))
@@ -278,7 +282,7 @@ class Runner:
         settings = self.scheduler.settings.speculation
         if not job.request.speculative or job.request.prefill_only or self.loaded.vision:
             return None
-        drafter = settings.new_drafter(job.prompt.tokens)
+        drafter = settings.new_drafter(job.prompt.tokens, self.loaded)
         return Speculation(drafter, settings) if drafter is not None else None
 
     def _prefill_stops(self, seq: Seq) -> list[int]:
@@ -305,11 +309,19 @@ class Runner:
             end = seq.stops.popleft()
             t0 = time.perf_counter()
             try:
-                if seq.job.prompt.vision is None:
-                    model(mx.array(seq.tokens[seq.position : end])[None], cache=seq.cache)
-                else:  # the model sees real ids and image features, the cache keyed ids
+                head = seq.mtp
+                if seq.job.prompt.vision is not None:
+                    # The model sees real ids and image features, the cache keyed ids.
                     model.prefill(seq.job.prompt.vision, seq.position, end, seq.cache)
-                mx.eval([c.state for c in seq.cache])
+                elif head is None:
+                    model(mx.array(seq.tokens[seq.position : end])[None], cache=seq.cache)
+                else:
+                    # Prime the head along the prompt: each position's hidden state with
+                    # the token after it (the chunk ends before the last prompt token).
+                    hidden = head.backbone(mx.array(seq.tokens[seq.position : end])[None],
+                                           seq.cache)  # fmt: skip
+                    head.feed(hidden, seq.tokens[seq.position + 1 : end + 1], at=seq.position)
+                mx.eval([c.state for c in seq.cache], head.state if head is not None else [])
                 dt = time.perf_counter() - t0
                 self.scheduler.stats.prefill_s += dt
                 self.scheduler.stats.prefill_tokens += end - seq.position
@@ -399,10 +411,16 @@ class Runner:
         t0 = time.perf_counter()
         cache = self.batch.cache
         inputs = [seq.next_input, *drafts]
+        at = seq.fed  # where inputs[0] goes
         sampler = seq.sampler
+        head = seq.mtp
         try:
             rewind = kv.Rewind(cache)
-            logits = self.loaded.model(mx.array(inputs)[None], cache=cache)[0]
+            if head is None:
+                logits = self.loaded.model(mx.array(inputs)[None], cache=cache)[0]
+            else:
+                logits, hidden = head.forward(mx.array(inputs)[None], cache)
+                logits = logits[0]
             plain = sampler.greedy and not sampler.processors and sampler.rule is None
             targets = greedy_tokens(logits).tolist() if plain else None
             if targets is None:
@@ -426,7 +444,11 @@ class Runner:
             if rewind.to(fed=len(inputs), keep=committed):
                 self.loaded.model(mx.array(inputs[:committed])[None], cache=cache)
                 stats.spec_replays += 1
-            mx.eval([c.state for c in cache])
+            if head is not None and not finished:
+                # The head learns the accepted positions only: each one's hidden state from
+                # this pass (causal: what followed it does not change it) and its token.
+                head.feed(hidden[:, :committed], seq.out[-committed:], at=at)
+            mx.eval([c.state for c in cache], head.state if head is not None else [])
         except BaseException as e:
             self._fail_running(e)
             return
@@ -446,13 +468,28 @@ class Runner:
         t0 = time.perf_counter()
         try:
             inputs = mx.array([[s.next_input] for s in self.running])
-            # A vision model's rows shift their positions by their prompt's image layout.
-            extra = {} if self.loaded.vision is None else {"rope_deltas": self._rope_deltas()}
-            logits = self.loaded.model(inputs, cache=self.batch.cache, **extra)[:, -1, :]
+            # A lone sequence drafting with an MTP head feeds it this step's hidden state
+            # and token; in a batched step its head falls out of step and starts over.
+            lone = self.running[0] if len(self.running) == 1 else None
+            head = lone.mtp if lone is not None else None
+            if head is None:
+                # A vision model's rows shift their positions by their prompt's image layout.
+                extra = {} if self.loaded.vision is None else {"rope_deltas": self._rope_deltas()}
+                logits = self.loaded.model(inputs, cache=self.batch.cache, **extra)[:, -1, :]
+                for s in self.running:
+                    if s.mtp is not None:
+                        s.mtp.lose_step()
+            else:
+                logits, hidden = head.forward(inputs, self.batch.cache)
+                logits = logits[:, -1, :]
             toks = sample_rows(
                 logits, [s.sampler for s in self.running], [s.history for s in self.running]
             )
-            mx.async_eval(toks)
+            if head is None:
+                mx.async_eval(toks)
+            else:
+                head.feed(hidden, toks, at=lone.fed)
+                mx.async_eval(toks, head.state)
         except BaseException as e:
             self._fail_running(e)
             return

@@ -10,6 +10,7 @@ from typing import Any
 from .jobs import CacheSession, Pending
 from .sampling import RowSampler
 from .speculation.control import Speculation
+from .speculation.mtp import MTPDrafter
 from .types import CacheSource, FinishReason, GenerationResult, TokenEvent
 
 _admissions = itertools.count()
@@ -48,6 +49,9 @@ class Seq:
         self.finish: FinishReason | None = None
         # Its drafter and draft length, when it speculates (runner.py `_verify`).
         self.spec: Speculation | None = None
+        # Its drafter when that is an MTP head, which the runner feeds every committed
+        # position's hidden state (runner.py `_prefill`, `_launch`, `_verify`).
+        self.mtp: MTPDrafter | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -60,6 +64,12 @@ class Seq:
     @property
     def next_input(self) -> int:
         return self.out[-1] if self.out else self.tokens[-1]
+
+    @property
+    def fed(self) -> int:
+        """Tokens in its cache once prefilled: all but `next_input`, the position the next
+        step feeds."""
+        return len(self.tokens) + len(self.out) - 1
 
     def accept(self, tok: int) -> bool:
         """Take a sampled token; True when the sequence is finished."""

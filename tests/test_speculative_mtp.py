@@ -6,16 +6,26 @@ sequence commits."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.qwen3_5 import TextModelArgs
 
+from engine_bridge.engine import Engine, EngineSettings
 from engine_bridge.speculation import mtp
+from engine_bridge.speculation.control import Mode, SpeculativeSettings
+from engine_bridge.speculation.drafters import PromptLookup
+from engine_bridge.speculation.mtp import MTPDrafter
+from engine_bridge.types import Message, Sampling
+from tests.conftest import fresh_cache_dir
+from tests.test_speculative import K, _generate, _request, _run
 
 # A tiny Qwen3.5-MoE text config: what the head's layer is built from.
 MOE = {
@@ -162,3 +172,211 @@ def test_no_head_without_its_tensors_or_its_config_key(tmp_path):
     # Not a Qwen3.5 model.
     assert mtp.head_args({**MOE, "model_type": "llama"}) is None
     assert isinstance(mtp.head_args(MOE)[0], TextModelArgs)
+
+
+# --- on demo-hybrid's head ------------------------------------------------------------------
+
+MODEL = "demo-hybrid"
+
+
+class Watched(MTPDrafter):
+    """The real head, its every draft recorded with where the head stood; optionally the
+    draft verified is an oracle's (plain decode's own tokens, broken at seeded places), so
+    every accept length comes up and the head is fed runs of accepted positions."""
+
+    def __init__(self, head, model, prompt, truth=None, seed=0, depth=1):
+        super().__init__(head, model, depth)
+        self.prompt, self.truth = list(prompt), truth
+        self.rng = random.Random(seed)
+        self.seen: list[tuple[int, int, int, int]] = []  # position, start, len(out), draft
+
+    def propose(self, out, k):
+        drafts = super().propose(out, k)
+        if drafts:
+            self.seen.append((self.position, self.start, len(out), drafts[0]))
+        if self.truth is None:
+            return drafts
+        oracle = self.truth[len(out) : len(out) + k]
+        at = self.rng.randint(0, k)
+        if at < len(oracle):
+            oracle[at] = (oracle[at] + 1) % 4000
+        return oracle
+
+
+def _engine(demo_root, where, models=(MODEL,), **kw) -> Engine:
+    return Engine(
+        EngineSettings(
+            cache_dir=fresh_cache_dir(demo_root, where),
+            model_specs=list(models),
+            ssd_enabled=False,
+            speculation=SpeculativeSettings(mode=Mode.MTP),
+            **kw,
+        )
+    )
+
+
+def _watch_drafters(engine: Engine, runner, **kw) -> list[Watched]:
+    """Every sequence of the runner's model drafts with a Watched head; returns them."""
+    made: list[Watched] = []
+    loaded = runner.loaded
+
+    def make(prompt):
+        made.append(Watched(loaded.mtp.head(), loaded.model, prompt, **kw))
+        return made[-1]
+
+    engine.scheduler.settings.speculation.drafter = make
+    return made
+
+
+def _offline_drafts(loaded, tokens: list[int], start: int) -> list[int]:
+    """What the head drafts at each position from `start` on, computed in one pass over
+    the committed sequence: the main model's hidden states, the head over (h_p, t_p+1)."""
+    head = Watched(loaded.mtp.head(), loaded.model, [])
+    _, hidden = head.forward(mx.array(tokens[:-1])[None], make_prompt_cache(loaded.model))
+    out = head.head(hidden[:, start:], head._embed(mx.array(tokens[start + 1 :])[None]),
+                    head.head.make_cache())  # fmt: skip
+    return mx.argmax(head._logits(out)[0], axis=-1).tolist()
+
+
+def _check_in_step(drafter: Watched, out: list[int], loaded, start: int = 0) -> None:
+    """The head was primed along the prompt and fed every committed position: each draft
+    stood at the main cache's offset, and is what the head computes over the sequence."""
+    n = len(drafter.prompt)
+    assert drafter.seen, "the head never drafted"
+    offline = _offline_drafts(loaded, drafter.prompt + out, start)
+    for position, head_start, done, draft in drafter.seen:
+        assert head_start == start
+        assert position == n + done - 1  # the next input's position: the cache's offset
+        assert draft == offline[position - 1 - start], (position, done)
+
+
+def test_greedy_output_with_the_head_is_plain_decode(demo_root, tmp_path):
+    engine = _engine(demo_root, tmp_path / "c", prefill_chunk=64)  # the head primes in chunks
+    stats = engine.scheduler.stats
+
+    async def scenario():
+        runner, _ = await engine.prepare(_request(MODEL))
+        plain, _ = await _generate(engine, _request(MODEL, speculative=False, use_cache=False))
+        seen = {}
+        spec = engine.scheduler.settings.speculation
+        spec.min_draft = spec.max_draft = K
+        for name, kw in [("head", {}), ("depth 2", {"depth": 2}),
+                         ("oracle", {"truth": plain, "seed": 3})]:  # fmt: skip
+            made = _watch_drafters(engine, runner, **kw)
+            before = (stats.spec_drafted, stats.spec_accepted)
+            out, _ = await _generate(engine, _request(MODEL, use_cache=False))
+            seen[name] = (out, made[0], before, (stats.spec_drafted, stats.spec_accepted))
+        return runner.loaded, plain, seen
+
+    loaded, plain, seen = _run(scenario())
+    asyncio.run(engine.close())
+    assert len(plain) > 64
+    for name, (out, drafter, before, after) in seen.items():
+        assert out == plain, name
+        assert after[0] > before[0], name  # it drafted
+        # Cold: primed over the prompt, all of it but the last token, before the first draft.
+        assert drafter.seen[0][:3] == (len(drafter.prompt) - 1, 0, 0), name
+        _check_in_step(drafter, out, loaded)
+    # The oracle's drafts were kept in runs (every accept length), and the head, fed those
+    # runs, still drafted what it computes over the sequence (checked above).
+    _, _, before, after = seen["oracle"]
+    assert after[1] - before[1] > len(plain) / 2
+
+
+def test_batches_of_one_to_four_match_plain_decode_row_for_row(demo_root, tmp_path):
+    engine = _engine(demo_root, tmp_path / "c")
+    stats = engine.scheduler.stats
+
+    async def scenario():
+        results = {}
+        for rows in range(1, 5):
+            # Different lengths: the batch shrinks, and its last row decodes alone, its
+            # head started over where it left the batch.
+            lengths = [30 + 30 * i for i in range(rows)]
+            plain = [(await _generate(engine, _request(MODEL, i, False, n, use_cache=False)))[0]
+                     for i, n in enumerate(lengths)]  # fmt: skip
+            together = await asyncio.gather(
+                *(_generate(engine, _request(MODEL, i, True, n, use_cache=False))
+                  for i, n in enumerate(lengths))
+            )  # fmt: skip
+            results[rows] = (plain, [t[0] for t in together])
+        return results
+
+    results = _run(scenario())
+    asyncio.run(engine.close())
+    for rows, (plain, together) in results.items():
+        assert together == plain, rows
+    assert stats.spec_paused_steps > 0  # rows shared steps: no drafting there
+    assert stats.spec_rounds > 0
+
+
+def test_a_cache_hit_then_the_head_gives_what_plain_gives(demo_root, tmp_path):
+    """A restored sequence's head starts at the restore point (its K/V is not cached) and
+    drafts over what it was fed from there; the output is plain decode's."""
+
+    async def two_turns(name: str, speculative: bool):
+        engine = _engine(demo_root, tmp_path / name)
+        try:
+            runner, _ = await engine.prepare(_request(MODEL))
+            made = _watch_drafters(engine, runner)
+            first, r1 = await _generate(engine, _request(MODEL, 7, speculative))
+            follow = _request(MODEL, 7, speculative)
+            follow.messages = [*follow.messages, Message("assistant", r1.text),
+                               Message("user", "and again")]  # fmt: skip
+            second, r2 = await _generate(engine, follow)
+            return first, second, r2, made, runner.loaded, engine.scheduler.stats.spec_drafted
+        finally:
+            await engine.close()
+
+    plain_first, plain_second, plain_hit, _, _, _ = _run(two_turns("plain", False))
+    first, second, hit, made, loaded, drafted = _run(two_turns("spec", True))
+    assert drafted > 0
+    assert hit.cached_tokens == plain_hit.cached_tokens > 0
+    assert (first, second) == (plain_first, plain_second)
+    _check_in_step(made[0], first, loaded)
+    _check_in_step(made[1], second, loaded, start=hit.cached_tokens)
+
+
+def test_mtp_without_a_head_decodes_plainly(demo_root, tmp_path):
+    engine = _engine(demo_root, tmp_path / "c", models=("demo-llama", MODEL))
+    stats = engine.scheduler.stats
+
+    async def scenario():
+        llama = (await engine.prepare(_request("demo-llama")))[0].loaded
+        hybrid = (await engine.prepare(_request(MODEL)))[0].loaded
+        plain, _ = await _generate(engine, _request("demo-llama", speculative=False))
+        rounds = stats.spec_rounds
+        out, _ = await _generate(engine, _request("demo-llama"))
+        return llama, hybrid, plain, out, stats.spec_rounds - rounds
+
+    llama, hybrid, plain, out, rounds = _run(scenario())
+    asyncio.run(engine.close())
+    assert llama.mtp is None and hybrid.mtp is not None
+    assert out == plain and rounds == 0
+    mtp_mode = SpeculativeSettings(mode=Mode.MTP)
+    assert mtp_mode.new_drafter([1], llama) is None
+    assert isinstance(mtp_mode.new_drafter([1], hybrid), MTPDrafter)
+    # Prompt lookup by name stays prompt lookup; "auto" takes the head where it drafts.
+    assert isinstance(SpeculativeSettings(mode=Mode.PROMPT_LOOKUP).new_drafter([1], hybrid),
+                      PromptLookup)  # fmt: skip
+    auto = SpeculativeSettings(mode=Mode.AUTO)
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    assert isinstance(auto.new_drafter([1], hybrid), MTPDrafter) if on_gpu else (
+        auto.new_drafter([1], hybrid) is None)  # fmt: skip
+    assert isinstance(auto.new_drafter([1], llama), PromptLookup) if on_gpu else (
+        auto.new_drafter([1], llama) is None)  # fmt: skip
+
+
+def test_sampled_decoding_with_the_head_runs_to_its_length(demo_root, tmp_path):
+    engine = _engine(demo_root, tmp_path / "c")
+
+    async def scenario():
+        req = _request(MODEL, use_cache=False, n=80)
+        req.sampling = Sampling(temperature=0.8, top_p=0.95, seed=4)
+        return await _generate(engine, req)
+
+    out, result = _run(scenario())
+    drafted = engine.scheduler.stats.spec_drafted
+    asyncio.run(engine.close())
+    assert len(out) == result.completion_tokens == 80 and result.finish_reason == "length"
+    assert drafted > 0

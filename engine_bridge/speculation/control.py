@@ -21,6 +21,8 @@ from .drafters import Drafter, PromptLookup
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from ..models import LoadedModel
+
 MAX_PAUSE = 64
 
 
@@ -39,16 +41,29 @@ class SpeculativeSettings:
     min_draft: int = 1
     max_draft: int = 8
     min_ngram: int = 3
+    # Tokens the MTP head drafts per verify pass: Qwen's head is trained for one; deeper
+    # drafts chain the head on its own output and are accepted less often.
+    mtp_depth: int = 1
     # Tests replace the drafter (an oracle, a corrupted oracle, one always wrong): it is
     # made per sequence from the prompt's tokens.
     drafter: Callable[[Sequence[int]], Drafter] | None = field(default=None, repr=False)
 
-    def new_drafter(self, prompt: Sequence[int]) -> Drafter | None:
+    def new_drafter(
+        self, prompt: Sequence[int], model: LoadedModel | None = None
+    ) -> Drafter | None:
+        """A drafter for one sequence of `model`: its MTP head where it has one and the
+        mode asks for it ("mtp", or "auto" where drafting pays), else prompt lookup where
+        asked; None: decode plainly ("off", or "mtp" on a model without a head)."""
         if self.drafter is not None:
             return self.drafter(prompt)
-        if self.mode == Mode.PROMPT_LOOKUP or (self.mode == Mode.AUTO and auto_drafts()):
+        auto = self.mode == Mode.AUTO and auto_drafts()
+        if (self.mode == Mode.MTP or auto) and model is not None and model.mtp is not None:
+            drafter = model.mtp.drafter(model.model, self.mtp_depth)
+            if drafter is not None:
+                return drafter
+        if self.mode == Mode.PROMPT_LOOKUP or auto:
             return PromptLookup(prompt, self.min_ngram, max(self.min_ngram, 5))
-        return None  # off; mtp is offered by models with a head only
+        return None
 
 
 def auto_drafts() -> bool:
