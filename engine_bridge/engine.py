@@ -124,9 +124,6 @@ class Engine:
         self.tiers.call_on_mlx = self.scheduler.call
         self.memory = MemoryGuard(self.tiers, settings)
         self.preflight = Preflight(settings, self.scheduler, self.tiers)
-        if settings.speculation.mode == "mtp":
-            log.warning("[engine] speculative = 'mtp': no model here has an MTP drafter loaded; "
-                        "decoding without speculation")  # fmt: skip
         self.sessions = SessionCache(
             self.tiers,
             pin_max_bytes=settings.pin_max_bytes or settings.ram_budget_bytes // 4,
