@@ -71,7 +71,10 @@ class OutputRule:
         forced = self.next_forced()
         ids = mx.arange(logits.shape[-1])
         if forced is not None:
-            return mx.where(ids == forced, mx.zeros_like(logits), -mx.inf)
+            # `logits * 0`, not `zeros_like`: the token must still depend on the model's
+            # pass, or a plain step evaluates nothing and its forward pass (and the cache
+            # update in it) piles up lazily until something else forces it.
+            return mx.where(ids == forced, logits * 0.0, -mx.inf)
         if self.banned:
             mask = mx.zeros(logits.shape[-1], dtype=mx.bool_)
             for t in self.banned:
