@@ -40,7 +40,7 @@ from .logctx import request_id
 from .models import LoadedModel
 from .sampling import greedy_tokens, sample_rows
 from .sequence import Seq
-from .speculation.control import Speculation
+from .speculation.control import Mode, Speculation
 from .speculation.mtp import MTPDrafter
 from .types import GenerationRequest, GenerationResult, PromptInfo
 
@@ -80,6 +80,10 @@ class Runner:
         if blocker is not None:
             log.warning("%s decodes one sequence at a time: %s", loaded.id, blocker)
         self.max_batch = 1 if blocker else scheduler.settings.max_batch
+        if scheduler.settings.speculation.mode == Mode.MTP and loaded.mtp is None:
+            log.warning("%s has no MTP head (no mtp.* weights beside it): [engine] "
+                        "speculative = 'mtp' decodes it plainly; the README's recipe puts "
+                        "Qwen3.6's head back", loaded.id)  # fmt: skip
         self.batch = kv.Batch(batched=blocker is None)
         # Waiting requests: tenants take turns, and each tenant's sessions take turns.
         self._waiting: FairQueue[Pending] = FairQueue()

@@ -116,6 +116,8 @@ class EngineConfig:
     speculative: str = "auto"
     speculative_min_draft: int = 1
     speculative_max_draft: int = 8
+    # Tokens an MTP head drafts per verify pass (Qwen's head is trained for 1).
+    speculative_mtp_depth: int = 1
     # Before each load, check weights + K/V + RAM cache budgets against free memory:
     # unload idle models first, else refuse with a 503 instead of swapping.
     memory_preflight: bool = True

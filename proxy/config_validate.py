@@ -91,6 +91,8 @@ def validate(config: Config, origins: Origins) -> None:
         "the draft bounds must satisfy 1 <= speculative_min_draft <= speculative_max_draft"
         f" <= 64, got {e.speculative_min_draft} and {e.speculative_max_draft}",
     )
+    check("engine.speculative_mtp_depth", 1 <= e.speculative_mtp_depth <= 8,
+          f"must be 1 to 8 tokens, got {e.speculative_mtp_depth}")  # fmt: skip
     v = config.vision
     parses("vision.max_image_size", parse_size, v.max_image_size)
     check("vision.max_image_pixels", v.max_image_pixels > 0, "must be positive")

@@ -65,6 +65,7 @@ def engine_settings(config: Config) -> EngineSettings:
             mode=Mode(engine.speculative),
             min_draft=engine.speculative_min_draft,
             max_draft=engine.speculative_max_draft,
+            mtp_depth=engine.speculative_mtp_depth,
         ),
         kv_memory_bytes=None
         if engine.kv_memory is None

@@ -38,14 +38,17 @@ def test_speculative_keys_reach_the_scheduler_and_bad_ones_name_the_key(tmp_path
     from proxy.config import ConfigError
 
     assert engine_settings(Config()).speculation.mode is Mode.AUTO
-    path = write(tmp_path, "[engine]\nspeculative = 'off'\nspeculative_max_draft = 4\n")
+    path = write(tmp_path, "[engine]\nspeculative = 'off'\nspeculative_max_draft = 4\n"
+                 "speculative_mtp_depth = 2\n")  # fmt: skip
     s = engine_settings(load_config(path, {}, {})).speculation
-    assert (s.mode, s.min_draft, s.max_draft) == (Mode.OFF, 1, 4)
+    assert (s.mode, s.min_draft, s.max_draft, s.mtp_depth) == (Mode.OFF, 1, 4, 2)
+    assert engine_settings(Config()).speculation.mtp_depth == 1
     env = {"MLX_PROMPT_CACHE_ENGINE_SPECULATIVE": "prompt-lookup"}
     assert engine_settings(load_config(None, env, {})).speculation.mode is Mode.PROMPT_LOOKUP
     for text, key in [
         ("speculative = 'fast'", "engine.speculative"),
         ("speculative_min_draft = 9\nspeculative_max_draft = 4", "engine.speculative_min_draft"),
+        ("speculative_mtp_depth = 0", "engine.speculative_mtp_depth"),
     ]:
         try:
             load_config(write(tmp_path, f"[engine]\n{text}\n"), {}, {})

@@ -7,6 +7,7 @@ sequence commits."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import json
 import random
 
@@ -337,7 +338,8 @@ def test_a_cache_hit_then_the_head_gives_what_plain_gives(demo_root, tmp_path):
     _check_in_step(made[1], second, loaded, start=hit.cached_tokens)
 
 
-def test_mtp_without_a_head_decodes_plainly(demo_root, tmp_path):
+def test_mtp_without_a_head_decodes_plainly(demo_root, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="engine_bridge.runner")
     engine = _engine(demo_root, tmp_path / "c", models=("demo-llama", MODEL))
     stats = engine.scheduler.stats
 
@@ -353,6 +355,9 @@ def test_mtp_without_a_head_decodes_plainly(demo_root, tmp_path):
     asyncio.run(engine.close())
     assert llama.mtp is None and hybrid.mtp is not None
     assert out == plain and rounds == 0
+    # The model without a head is named once, at its load; the one with a head is not.
+    warned = [r.getMessage() for r in caplog.records if "has no MTP head" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("demo-llama "), warned
     mtp_mode = SpeculativeSettings(mode=Mode.MTP)
     assert mtp_mode.new_drafter([1], llama) is None
     assert isinstance(mtp_mode.new_drafter([1], hybrid), MTPDrafter)
