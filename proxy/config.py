@@ -111,8 +111,8 @@ class EngineConfig:
     # Cap on the live K/V of running sequences: "4GB", "30%" of RAM; None leaves it to
     # the engine.
     kv_memory: str | int | None = None
-    # Speculative decoding: "off", "prompt-lookup", "mtp" or "auto" (prompt lookup), and
-    # the bounds of the draft length it adapts between.
+    # Speculative decoding: "off", "prompt-lookup", "mtp" or "auto" (prompt lookup, or a
+    # model's MTP head on a GPU), and the bounds of the draft length it adapts between.
     speculative: str = "auto"
     speculative_min_draft: int = 1
     speculative_max_draft: int = 8

@@ -364,12 +364,11 @@ def test_mtp_without_a_head_decodes_plainly(demo_root, tmp_path, caplog):
     # Prompt lookup by name stays prompt lookup; "auto" takes the head where it drafts.
     assert isinstance(SpeculativeSettings(mode=Mode.PROMPT_LOOKUP).new_drafter([1], hybrid),
                       PromptLookup)  # fmt: skip
+    # "auto": the head on a GPU, prompt lookup on the CPU and for a model without one.
     auto = SpeculativeSettings(mode=Mode.AUTO)
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
-    assert isinstance(auto.new_drafter([1], hybrid), MTPDrafter) if on_gpu else (
-        auto.new_drafter([1], hybrid) is None)  # fmt: skip
-    assert isinstance(auto.new_drafter([1], llama), PromptLookup) if on_gpu else (
-        auto.new_drafter([1], llama) is None)  # fmt: skip
+    assert isinstance(auto.new_drafter([1], hybrid), MTPDrafter if on_gpu else PromptLookup)
+    assert isinstance(auto.new_drafter([1], llama), PromptLookup)
 
 
 def test_sampled_decoding_with_the_head_runs_to_its_length(demo_root, tmp_path):

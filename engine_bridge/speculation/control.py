@@ -56,8 +56,10 @@ class SpeculativeSettings:
         asked; None: decode plainly ("off", or "mtp" on a model without a head)."""
         if self.drafter is not None:
             return self.drafter(prompt)
-        auto = self.mode == Mode.AUTO and auto_drafts()
-        if (self.mode == Mode.MTP or auto) and model is not None and model.mtp is not None:
+        auto = self.mode == Mode.AUTO
+        if (self.mode == Mode.MTP or (auto and auto_mtp())) and model is not None and (
+            model.mtp is not None
+        ):
             drafter = model.mtp.drafter(model.model, self.mtp_depth)
             if drafter is not None:
                 return drafter
@@ -66,11 +68,12 @@ class SpeculativeSettings:
         return None
 
 
-def auto_drafts() -> bool:
-    """What "auto" does, by measurement: prompt lookup on a GPU (Metal), where checking 9
-    tokens in one pass costs about what one token does, and nothing on the CPU, where
-    mlx's multi-token attention made a verify pass cost ~13 decode steps (bench
-    `speculative`: prompt lookup 0.31-0.50x plain decode on the demo models)."""
+def auto_mtp() -> bool:
+    """Whether "auto" drafts with a model's MTP head: on a GPU (Metal), where a pass of two
+    tokens costs about what one does. On the CPU a pass costs about linearly in its tokens
+    and priming the head along the prompt doubled the demo's prefill, so "auto" takes
+    prompt lookup there, which measured 1.2-1.7x plain decode on a copied edit and within
+    5% of it when every draft is wrong (bench `speculative`)."""
     return mx.default_device().type == mx.DeviceType.gpu
 
 
