@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine_bridge.probes import SHAPES
+    from engine_bridge.probes.shapes import SHAPES
 
     p = argparse.ArgumentParser(
         prog="mlx-prompt-cache bench",
@@ -123,7 +123,7 @@ def command_line(args: argparse.Namespace, names: list[str]) -> str:
 
 def resolve_model(spec: str, models_dir: Path, shape: str | None = None):
     """A ModelSpec for a demo id, a shape to build, or an MLX model directory."""
-    from engine_bridge.demo import is_demo_model
+    from engine_bridge.models.demo import is_demo_model
 
     from .harness import probe
     from .servers import ModelSpec

@@ -1,5 +1,5 @@
 """What every scenario needs: its settings, servers on fresh cache dirs, timed requests,
-progress lines, and the in-process helper (engine_bridge.probes) as a subprocess."""
+progress lines, and the in-process helper (engine_bridge.probes.shapes) as a subprocess."""
 
 from __future__ import annotations
 
@@ -174,10 +174,10 @@ def stats(server: Server) -> dict[str, Any]:
 
 
 def probe(*args: str, timeout: float = 3600.0) -> dict[str, Any]:
-    """Run `python -m engine_bridge.probes ARGS` and return its JSON answer."""
+    """Run `python -m engine_bridge.probes.shapes ARGS` and return its JSON answer."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        cmd = [sys.executable, "-m", "engine_bridge.probes", "--json-out", str(out), *args]
+        cmd = [sys.executable, "-m", "engine_bridge.probes.shapes", "--json-out", str(out), *args]
         proc = subprocess.run(
             cmd, cwd=servers.REPO, capture_output=True, text=True, timeout=timeout
         )

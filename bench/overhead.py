@@ -72,7 +72,7 @@ def overhead(settings: Settings, model: ModelSpec) -> ScenarioResult:
         (f"full SSD hit: hash + lookup + promote (file reads), {per}", "promote_ssd_s"),
     ):
         result.rows.append(
-            Row(metric, {"ours": lookup[key] * 1e3}, note="engine_bridge.lookup_probe")
+            Row(metric, {"ours": lookup[key] * 1e3}, note="engine_bridge.probes.lookup")
         )
     _render_rows(measured["render"], result)
     _cold_series(settings, model, result)
@@ -89,7 +89,7 @@ def _render_rows(render: dict, result: ScenarioResult) -> None:
     one = render["template_s"]
     tokenized = render["template_tokenized_s"]
     result.metrics |= {f"render_{k}": v for k, v in render.items()}
-    note = "engine_bridge.render_probe; ratios against one apply_chat_template call"
+    note = "engine_bridge.probes.render; ratios against one apply_chat_template call"
     for metric, key in (
         ("one apply_chat_template, text only", "template_s"),
         ("one apply_chat_template, tokenized (its default)", "template_tokenized_s"),

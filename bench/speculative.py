@@ -2,7 +2,7 @@
 
 A Claude Code Edit writes back a span of a file it was shown, with a small change. Here the
 prompt holds a source file (plausible Python, generated from the bench seed) and the model
-is forced, through its logits (engine_bridge/forced_output.py), to re-emit a long span of
+is forced, through its logits (engine_bridge/scheduling/forced_output.py), to re-emit a long span of
 it with one number changed. Each demo model decodes that span with speculation off, with
 prompt lookup (the real drafter), with an oracle that proposes exactly the forced tokens
 (the upper bound), and with a drafter that is always wrong (the overhead), interleaved
@@ -221,7 +221,7 @@ def measure_model(model_id: str, root: Path, case: Case, sizes: Sizes) -> dict[s
     """Every configuration on one model, interleaved; the forced output must already be
     in the environment."""
     from engine_bridge.engine import Engine, EngineSettings
-    from engine_bridge.speculation.control import Mode
+    from engine_bridge.scheduling.speculation.control import Mode
 
     with tempfile.TemporaryDirectory(prefix="bench-speculative-") as tmp:
         cache_dir = Path(tmp)
@@ -404,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--span-tokens", type=int, default=300)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
-    from engine_bridge.demo import ensure_demo_model
-    from engine_bridge.forced_output import ENV
+    from engine_bridge.models.demo import ensure_demo_model
+    from engine_bridge.scheduling.forced_output import ENV
 
     sizes = Sizes(args.lines, args.span_tokens, args.repeats)
     models = [m for m in args.models.split(",") if m]

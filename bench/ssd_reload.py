@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine_bridge.cache import ssd_files
-from engine_bridge.cache.index import EntryRow, Index, Scope
 from engine_bridge.cache.kinds import EntryKind
-from engine_bridge.cache.ssd import SSDConfig, SSDStore
-from engine_bridge.cache.ssd_format import encode
+from engine_bridge.cache.ssd import files as ssd_files
+from engine_bridge.cache.ssd.format import encode
+from engine_bridge.cache.ssd.index import EntryRow, Index, Scope
+from engine_bridge.cache.ssd.store import SSDConfig, SSDStore
 from engine_bridge.cache.tensors import HostTensor
 
 SCOPE = Scope("model-a")

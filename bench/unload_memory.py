@@ -20,11 +20,11 @@ from pathlib import Path
 
 import psutil
 
-from engine_bridge.demo import ensure_demo_model
-from engine_bridge.demo.weights import random_weights, save_weights
 from engine_bridge.engine import Engine, EngineSettings
-from engine_bridge.memory import mlx_memory
-from engine_bridge.preflight import weights_bytes
+from engine_bridge.models.demo import ensure_demo_model
+from engine_bridge.models.demo.weights import random_weights, save_weights
+from engine_bridge.models.preflight import weights_bytes
+from engine_bridge.ops.memory import mlx_memory
 from engine_bridge.types import GenerationRequest, Message, Sampling
 
 MB = 1 << 20

@@ -57,7 +57,7 @@ def _messages(trace: traces.ChatTrace, turn: int, data_url: str) -> list[dict[st
 
 
 def vision(settings: Settings, model: ModelSpec) -> ScenarioResult:
-    from engine_bridge.vision_prompt import vision_status
+    from engine_bridge.vision.prompt import vision_status
 
     from . import resolve_model
 

@@ -5,7 +5,7 @@ Run as `python -m bench.wear --model demo-hybrid --out DIR` (or `--shape qwen3.6
 for a layer-scaled build of that shape: real per-layer dimensions, fewer layers and
 experts, unquantized, its bytes scaled by the layer count). Each row also prices its entry
 counts at qwen3.6-35b-a3b's entry sizes (`scaled`), with the issue's target, 1.5 x (final
-KV + one checkpoint). It drives an in-process Engine (its own process, like engine_bridge.probes)
+KV + one checkpoint). It drives an in-process Engine (its own process, like engine_bridge.probes.shapes)
 through one session of the bench's agent trace, turn by turn, closes it (a graceful
 restart), opens a new one on the same cache folder and sends the session's next turn and a
 second session's first call; it reports, per policy, the SSD bytes written, the RAM the
@@ -43,7 +43,7 @@ def shape_entry_bytes(shape: str = "qwen3.6-35b-a3b") -> tuple[int, int]:
     """(block, checkpoint) bytes of the real shape: a 64-token bf16 block of its attention
     layers' K and V, and a checkpoint of its Gated DeltaNet layers' float32 recurrent and
     bf16 conv states plus half a block of tail (a checkpoint sits mid-block on average)."""
-    from engine_bridge.probes import SHAPES
+    from engine_bridge.probes.shapes import SHAPES
 
     c = SHAPES[shape]["config"]
     layers, every = c["num_hidden_layers"], c["full_attention_interval"]
@@ -95,7 +95,7 @@ def _float32_gather_mm_on_cpu() -> None:
 
 def _request(body: dict[str, Any], model: str, max_tokens: int):
     from engine_bridge.types import GenerationRequest, Sampling
-    from proxy.anthropic_api import build_messages, parse_tools
+    from proxy.dialects.anthropic import build_messages, parse_tools
 
     return GenerationRequest(
         model=model,
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     (root / "models").mkdir(parents=True, exist_ok=True)
     scale = 1.0
     if args.shape:
-        from engine_bridge.probes import build_shape
+        from engine_bridge.probes.shapes import build_shape
 
         # Unquantized: MLX's CPU quantized matmul is a scalar loop (a 16-token forward of the
         # 4-bit build ran past 2 minutes), and a weight's format changes no entry's size.
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         spec, model_id = str(path), path.name
         scale = SHAPE_REAL_LAYERS / SHAPE_OVERRIDES["num_hidden_layers"]
     else:
-        from engine_bridge.demo import ensure_demo_model
+        from engine_bridge.models.demo import ensure_demo_model
 
         ensure_demo_model(args.model, root)
         spec = model_id = args.model

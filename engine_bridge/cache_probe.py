@@ -17,8 +17,8 @@ from .types import EngineError, GenerationRequest
 
 if TYPE_CHECKING:
     from .engine import Engine
-    from .jobs import Job
     from .prompt_cache import ModelCache
+    from .scheduling.jobs import Job
 
 
 @dataclass(frozen=True, slots=True)

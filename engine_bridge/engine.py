@@ -10,26 +10,29 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
-from . import cache_probe, discovery, heap, kv, models, vision_prompt
-from .cache.manager import CacheManager
-from .cache.ssd import SSDConfig, SSDStore
+from . import cache_probe, kv
+from .cache.ram.manager import CacheManager
+from .cache.ssd.store import SSDConfig, SSDStore
 from .cache.tiers import TieredCache
 from .cache.write_policy import SPARSE_PERIODIC_EVERY
 from .cache_probe import ProbeResult, WarmResult
-from .demo import DEMO_MODEL_IDS
 from .engine_settings import EngineSettings  # callers import it with Engine, from here
-from .forced_output import ForcedOutputs
-from .memory import HEAP_TRIM_S, MemoryGuard, default_kv_memory, mlx_memory, release_memory
-from .output_rules import call_marker_is_token, output_rule
-from .preflight import Preflight
-from .prompt import RenderedPrompt, render_chat, render_completion
+from .models import discovery
+from .models import loading as models
+from .models.demo import DEMO_MODEL_IDS
+from .models.preflight import Preflight
+from .ops import heap
+from .ops.memory import HEAP_TRIM_S, MemoryGuard, default_kv_memory, mlx_memory, release_memory
+from .ops.request_log import RequestLog
+from .ops.request_stats import RequestStats
 from .prompt_cache import ModelCache
-from .request_log import RequestLog
-from .request_stats import RequestStats
-from .runner import Event, Job, Runner
-from .scheduler import Scheduler, SchedulerSettings
-from .session_admin import SessionAdmin
-from .sessions import SessionCache
+from .prompting.render import RenderedPrompt, render_chat, render_completion
+from .scheduling.forced_output import ForcedOutputs
+from .scheduling.output_rules import call_marker_is_token, output_rule
+from .scheduling.runner import Event, Job, Runner
+from .scheduling.scheduler import Scheduler, SchedulerSettings
+from .sessions.admin import SessionAdmin
+from .sessions.catalog import SessionCache
 from .stream import GenerationStream
 from .types import (
     EngineError,
@@ -39,6 +42,7 @@ from .types import (
     ModelInfo,
     PromptInfo,
 )
+from .vision import prompt as vision_prompt
 
 log = logging.getLogger("engine_bridge.engine")
 
@@ -77,7 +81,7 @@ class Engine:
         self._forced = ForcedOutputs.from_env()  # tests only
         self._caches: dict[str, ModelCache] = {}  # each loaded model's prompt cache
         # Awaited before a model loads in-process, with what is about to load: the proxy
-        # asks LM Studio to let go of its own copy of the same weights (proxy/lmstudio_rest.py).
+        # asks LM Studio to let go of its own copy of the same weights (proxy/upstream/lmstudio_rest.py).
         self.before_load: Callable[[models.ModelRef], Awaitable[None]] | None = None
         # Called with every finished request (on the MLX thread): metrics, request logs.
         self.result_listeners: list[Callable[[GenerationRequest, GenerationResult], None]] = []
@@ -105,8 +109,8 @@ class Engine:
         shared = None
         if settings.cache_enabled and settings.shared is not None:
             # Imports redis (the shared extra): only when [cache.shared] url is set.
-            from .cache.shared_store import SharedStore
-            from .cache.shared_tier import SharedTier
+            from .cache.shared.store import SharedStore
+            from .cache.shared.tier import SharedTier
 
             shared = SharedTier(SharedStore(settings.shared))
         # One set of tiers for every model: the budget is the machine's, not a model's.

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cache.shared_config import SharedConfig
+from .cache.shared.config import SharedConfig
 from .cache.write_policy import WritePolicy
-from .prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from .prompt_cache import CachePolicy
-from .speculation.control import SpeculativeSettings
-from .vision_prompt import VisionLimits
+from .prompting.render import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
+from .scheduling.speculation.control import SpeculativeSettings
+from .vision.prompt import VisionLimits
 
 
 @dataclass(slots=True)

@@ -15,16 +15,16 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from . import kv
 from .cache.hashing import Chain, ExtraKeys
-from .cache.index import Scope
 from .cache.kinds import Reason, SavePoint
-from .cache.sessions import SessionKey
+from .cache.session_registry import SessionKey
+from .cache.ssd.index import Scope
 from .cache.tiers import Hit, TieredCache
-from .jobs import Job
-from .models import LoadedModel
+from .models.loading import LoadedModel
+from .scheduling.jobs import Job
 from .types import CacheSource
 
 if TYPE_CHECKING:
-    from .sessions import SessionCache
+    from .sessions.catalog import SessionCache
 
 log = logging.getLogger("engine_bridge.prompt_cache")
 

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from .output_format import OutputParser
+from .prompting.output_format import OutputParser
 from .types import CacheSource, GenerationFailed, GenerationResult, PromptInfo, TokenEvent
 
 log = logging.getLogger("engine_bridge.stream")

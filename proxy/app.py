@@ -14,21 +14,29 @@ from engine_bridge.engine import Engine
 from engine_bridge.logctx import request_id
 from engine_bridge.types import EngineError
 
-from . import (
-    anthropic_api,
-    cache_admin,
-    cache_inspect,
-    dashboard,
-    lmstudio_api,
-    metrics,
-    openai_api,
-    openapi,
-    responses_api,
+from .cache_api import admin as cache_admin
+from .cache_api import dashboard, metrics
+from .cache_api import inspect as cache_inspect
+from .config.model import UpstreamConfig
+from .dialects import (
+    anthropic as anthropic_api,
 )
-from .config import UpstreamConfig
+from .dialects import (
+    lmstudio as lmstudio_api,
+)
+from .dialects import (
+    openai as openai_api,
+)
+from .dialects import (
+    responses as responses_api,
+)
+from .dialects.sse import STREAM
 from .errors import ApiError, api_error, dialect_for, error_response
 from .fields import parse_json_object, read_body
-from .passthrough import (
+from .openapi import document as openapi
+from .security import PASSTHROUGH_ROUTE, BrowserPolicy, browser_safety, setup_browser_safety
+from .state import ENGINE, REQUEST_ID, SETTINGS, ProxySettings
+from .upstream.passthrough import (
     LOCAL_OWNER,
     UPSTREAM_CONFIG,
     forward,
@@ -36,9 +44,6 @@ from .passthrough import (
     setup_passthrough,
     upstream_models,
 )
-from .security import PASSTHROUGH_ROUTE, BrowserPolicy, browser_safety, setup_browser_safety
-from .sse import STREAM
-from .state import ENGINE, REQUEST_ID, SETTINGS, ProxySettings
 
 log = logging.getLogger("proxy.app")
 

@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _load(args: argparse.Namespace, overrides: dict[str, Any] | None = None):
-    from .config import ConfigError, load_config
+    from .config.loader import load_config
+    from .config.schema import ConfigError
 
     try:
         return load_config(args.config, os.environ, overrides or {})
@@ -116,7 +117,7 @@ def cache_command(args: argparse.Namespace) -> int:
     """`cache stats|ls|clear` on the cache dir, offline: reads the SSD index directly."""
     import json
 
-    from engine_bridge.cache.ssd_offline import offline_clear, offline_ls, offline_stats
+    from engine_bridge.cache.ssd.offline import offline_clear, offline_ls, offline_stats
 
     overrides = {"cache.ssd.dir": str(args.cache_dir) if args.cache_dir else None}
     config = _load(args, overrides)
@@ -187,7 +188,7 @@ def list_models(args: argparse.Namespace) -> int:
     """What LM Studio's folders hold, and which of it this proxy serves in-process."""
     import json
 
-    from engine_bridge.discovery import scan
+    from engine_bridge.models.discovery import scan
 
     config = _load(args)
     if config is None:
@@ -245,7 +246,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from .config import ConfigError, check_exposure, config_to_toml
+    from .config.loader import check_exposure, config_to_toml
+    from .config.schema import ConfigError
 
     config = _load(args, _overrides(args))
     if config is None:

@@ -17,16 +17,16 @@ import aiohttp
 import orjson
 import psutil
 
-from engine_bridge import discovery
-from engine_bridge.demo.specs import DEMO_MODEL_IDS, is_demo_model
-from engine_bridge.models import ModelRef, resolve
-from engine_bridge.preflight import gb, weights_bytes
+from engine_bridge.models import discovery
+from engine_bridge.models.demo.specs import DEMO_MODEL_IDS, is_demo_model
+from engine_bridge.models.loading import ModelRef, resolve
+from engine_bridge.models.preflight import gb, weights_bytes
 from engine_bridge.types import EngineError
 
-from .config import Config
-from .lmstudio_rest import LmStudioError, LmStudioRest
-from .one_copy import same_model
-from .units import resolve_kv_memory, resolve_min_available, resolve_ram_budget
+from .config.model import Config
+from .config.units import resolve_kv_memory, resolve_min_available, resolve_ram_budget
+from .upstream.lmstudio_rest import LmStudioError, LmStudioRest
+from .upstream.one_copy import same_model
 
 # module -> (what it enables, the extra that installs it)
 EXTRAS = {

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from engine_bridge.engine import Engine
-from engine_bridge.output_format import OutputParser
+from engine_bridge.prompting.output_format import OutputParser
 from engine_bridge.stream import GenerationStream
 from engine_bridge.types import (
     GenerationRequest,
@@ -20,8 +20,8 @@ from engine_bridge.types import (
 )
 
 from . import fields as f
+from .dialects.output import Part
 from .errors import ApiError
-from .output import Part
 from .state import REQUEST_ID, SETTINGS
 
 BYPASS_HEADER = "x-prompt-cache"

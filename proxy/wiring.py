@@ -9,16 +9,14 @@ import psutil
 
 from engine_bridge.cache.write_policy import resolve_write_policy
 from engine_bridge.engine import EngineSettings
-from engine_bridge.prompt import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from engine_bridge.prompt_cache import CachePolicy
-from engine_bridge.speculation.control import Mode, SpeculativeSettings
-from engine_bridge.vision_prompt import VisionLimits
+from engine_bridge.prompting.render import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
+from engine_bridge.scheduling.speculation.control import Mode, SpeculativeSettings
+from engine_bridge.vision.prompt import VisionLimits
 
-from .config import Config
-from .config_shared import shared_settings
-from .one_copy import UnloadDuplicates
-from .state import ProxySettings
-from .units import (
+from .config.model import Config
+from .config.shared import shared_settings
+from .config.units import (
     parse_duration,
     parse_size,
     ram_share,
@@ -27,6 +25,8 @@ from .units import (
     resolve_ram_budget,
     resolve_share_of_ram,
 )
+from .state import ProxySettings
+from .upstream.one_copy import UnloadDuplicates
 
 
 def normalization_rules(config: Config) -> list[NormalizationRule]:
@@ -52,7 +52,7 @@ def engine_settings(config: Config) -> EngineSettings:
         idle_unload_s=config.models.idle_unload_s,
         cache_enabled=cache.enabled,
         ram_budget_bytes=resolve_ram_budget(cache.ram.budget, ram.available),
-        # A share is of what the weights leave, derived at each load (engine_bridge/preflight.py).
+        # A share is of what the weights leave, derived at each load (engine_bridge/models/preflight.py).
         ram_budget_share=ram_share(cache.ram.budget),
         ram_min_available_bytes=None
         if cache.ram.min_available == "off"

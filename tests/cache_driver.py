@@ -18,8 +18,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine_bridge import kv
 from engine_bridge.cache.write_policy import SPARSE_PERIODIC_EVERY
 from engine_bridge.engine import Engine, EngineSettings
-from engine_bridge.jobs import Job
-from engine_bridge.prompt import RenderedPrompt
+from engine_bridge.prompting.render import RenderedPrompt
+from engine_bridge.scheduling.jobs import Job
 from engine_bridge.types import (
     GenerationRequest,
     GenerationResult,

@@ -29,7 +29,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def demo_root(tmp_path_factory) -> Path:
     """A cache dir whose models/ holds the three demo models, built once."""
-    from engine_bridge.demo import ensure_demo_model
+    from engine_bridge.models.demo import ensure_demo_model
 
     root = tmp_path_factory.mktemp("demo-root")
     for name in DEMO_IDS:

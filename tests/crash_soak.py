@@ -172,7 +172,7 @@ class Soak:
         if self.demo_root is not None:
             fresh_cache_dir(self.demo_root, self.cache_dir)
         else:
-            from engine_bridge.demo import ensure_demo_model
+            from engine_bridge.models.demo import ensure_demo_model
 
             for name in MODELS:
                 ensure_demo_model(name, self.cache_dir)

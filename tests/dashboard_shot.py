@@ -104,7 +104,7 @@ def shrink(path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     from playwright.sync_api import sync_playwright
 
-    from engine_bridge.demo import ensure_demo_model
+    from engine_bridge.models.demo import ensure_demo_model
 
     parser = argparse.ArgumentParser(prog="dashboard_shot", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "dashboard.png")

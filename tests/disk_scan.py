@@ -6,9 +6,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_bridge.cache import ssd_files
-from engine_bridge.cache.index import Index
-from engine_bridge.cache.ssd_format import FormatError, verify_file
+from engine_bridge.cache.ssd import files as ssd_files
+from engine_bridge.cache.ssd.format import FormatError, verify_file
+from engine_bridge.cache.ssd.index import Index
 
 
 @dataclass(slots=True)

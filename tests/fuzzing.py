@@ -219,7 +219,7 @@ class demo_server:
     """
 
     def __enter__(self) -> str:
-        from engine_bridge.demo import ensure_demo_model
+        from engine_bridge.models.demo import ensure_demo_model
         from tests.conftest import DEMO_IDS, start_server
 
         self._tmp = tempfile.TemporaryDirectory(prefix="mlx-fuzz-")

@@ -408,7 +408,7 @@ class demo_server:
         self.ssd_max = ssd_max
 
     def __enter__(self):
-        from engine_bridge.demo import ensure_demo_model
+        from engine_bridge.models.demo import ensure_demo_model
         from tests.conftest import start_server
 
         self._tmp = tempfile.TemporaryDirectory(prefix="mlx-soak-")

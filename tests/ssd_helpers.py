@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from engine_bridge.cache import ssd_files
-from engine_bridge.cache.index import Index, Scope
 from engine_bridge.cache.kinds import EntryKind
-from engine_bridge.cache.ssd import SSDConfig, SSDStore
+from engine_bridge.cache.ssd import files as ssd_files
+from engine_bridge.cache.ssd.index import Index, Scope
+from engine_bridge.cache.ssd.store import SSDConfig, SSDStore
 from engine_bridge.cache.tensors import HostTensor
 
 REPO = Path(__file__).resolve().parent.parent

@@ -17,8 +17,8 @@ import httpx
 from conftest import REPO, Server
 from prose import prose
 
-from engine_bridge.cache.index import Index
-from engine_bridge.cache.ssd_format import verify_file
+from engine_bridge.cache.ssd.format import verify_file
+from engine_bridge.cache.ssd.index import Index
 
 LLAMA, HYBRID, SWA = "demo-llama", "demo-hybrid", "demo-swa"
 MAX_TOKENS = 16

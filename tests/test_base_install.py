@@ -40,7 +40,7 @@ def test_engine_and_cli_import_without_the_extras(blocked_env):
     code = textwrap.dedent(
         """
         import sys
-        import engine_bridge.engine, engine_bridge.models, engine_bridge.vision
+        import engine_bridge.engine, engine_bridge.models.loading, engine_bridge.vision.model
         import proxy.app, proxy.cli, proxy.wiring
         from proxy.cli import build_parser
         build_parser().parse_args(["serve"])

@@ -14,8 +14,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
-from engine_bridge import kv, models
+from engine_bridge import kv
 from engine_bridge.engine import Engine, EngineSettings
+from engine_bridge.models import loading as models
 from engine_bridge.types import (
     EngineError,
     GenerationRequest,
@@ -380,7 +381,7 @@ def test_a_model_whose_cache_cannot_batch_runs_one_at_a_time(make_engine, caplog
         return loaded
 
     monkeypatch.setattr(models, "load", keep_four)
-    with caplog.at_level(logging.WARNING, logger="engine_bridge.runner"):
+    with caplog.at_level(logging.WARNING, logger="engine_bridge.scheduling.runner"):
         alone = [loop.run(_collect(engine, _request(model, p)))[0] for p in PROMPTS[:3]]
 
         async def together():

@@ -19,7 +19,7 @@ import pytest
 
 from engine_bridge.engine import Engine, EngineSettings
 from proxy.app import create_app
-from proxy.config import UpstreamConfig
+from proxy.config.model import UpstreamConfig
 from proxy.security import BrowserPolicy, browser_policy, split_host
 from proxy.state import ProxySettings
 from tests.conftest import REPO, free_port, fresh_cache_dir, start_server

@@ -42,17 +42,17 @@ from ssd_server_helpers import stats as server_stats
 
 from engine_bridge import kv
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
-from engine_bridge.cache.manager import CacheManager
-from engine_bridge.cache.ssd import SSDConfig, SSDStore
+from engine_bridge.cache.ram.manager import CacheManager
+from engine_bridge.cache.ssd.index import Scope
+from engine_bridge.cache.ssd.store import SSDConfig, SSDStore
 from engine_bridge.cache.tier_writes import REWRITE_TRIES
 from engine_bridge.cache.tiers import TieredCache
 
 BS = 4
 SCOPE = Scope("model-f")
 TOKENS = list(range(300, 330))  # 7 full blocks and 2 tokens
-LOGGER = "engine_bridge.cache.ssd"
+LOGGER = "engine_bridge.cache.ssd.store"
 
 
 def block(i: int) -> kv.BlockPayload:

@@ -17,8 +17,8 @@ from cache_driver import Driver, common_prefix
 from conftest import DEMO_IDS, fresh_cache_dir, start_server
 from prose import prose
 
-from engine_bridge import models
-from engine_bridge.prompt import CLAUDE_CODE_BILLING_HEADER, render_chat
+from engine_bridge.models import loading as models
+from engine_bridge.prompting.render import CLAUDE_CODE_BILLING_HEADER, render_chat
 from engine_bridge.types import Message
 
 LLAMA = "demo-llama"

@@ -3,12 +3,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine_bridge.cache.checkpoints import Checkpoint
 from engine_bridge.cache.hashing import Chain
 from engine_bridge.cache.kinds import EntryKind, Reason
-from engine_bridge.cache.manager import CacheManager, InsertResult
-from engine_bridge.cache.matching import Match
-from engine_bridge.cache.pool import Block
+from engine_bridge.cache.ram.checkpoints import Checkpoint
+from engine_bridge.cache.ram.manager import CacheManager, InsertResult
+from engine_bridge.cache.ram.matching import Match
+from engine_bridge.cache.ram.pool import Block
 
 BS = 4
 TENANT_A = (("model", "m"), ("tenant", "a"))

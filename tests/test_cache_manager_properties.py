@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_bridge.cache.checkpoints import Checkpoint
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.manager import CacheManager
-from engine_bridge.cache.matching import Match
-from engine_bridge.cache.pool import Block
+from engine_bridge.cache.ram.checkpoints import Checkpoint
+from engine_bridge.cache.ram.manager import CacheManager
+from engine_bridge.cache.ram.matching import Match
+from engine_bridge.cache.ram.pool import Block
 from tests.test_cache_manager import BS, FakePayload, cache, chain, checkpoint, restored
 
 

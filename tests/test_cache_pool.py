@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine_bridge.cache.pool import BlockPool, FreeQueue
+from engine_bridge.cache.ram.pool import BlockPool, FreeQueue
 
 
 @dataclass(slots=True, eq=False)

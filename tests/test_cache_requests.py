@@ -13,7 +13,7 @@ from cache_driver import common_prefix
 from conftest import fresh_cache_dir, start_server
 from test_cache_http import long_system, tokens_of
 
-from engine_bridge import models
+from engine_bridge.models import loading as models
 
 LLAMA = "demo-llama"
 DIVERGED = "x-prompt-cache-diverged-at"

@@ -13,7 +13,7 @@ import time
 
 from engine_bridge.engine import Engine, EngineSettings
 from proxy.app import create_app
-from proxy.config import UpstreamConfig
+from proxy.config.model import UpstreamConfig
 from proxy.state import ProxySettings
 from tests.conftest import fresh_cache_dir
 

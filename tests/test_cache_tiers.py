@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from engine_bridge import kv
-from engine_bridge.cache import ssd_files
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
-from engine_bridge.cache.manager import CacheManager, CacheStats
-from engine_bridge.cache.ssd import SSDConfig, SSDStats, SSDStore
+from engine_bridge.cache.ram.manager import CacheManager, CacheStats
+from engine_bridge.cache.ssd import files as ssd_files
+from engine_bridge.cache.ssd.index import Scope
+from engine_bridge.cache.ssd.store import SSDConfig, SSDStats, SSDStore
 from engine_bridge.cache.tiers import TieredCache
 from tests.tier_payloads import BS, block, checkpoint, make_chain
 

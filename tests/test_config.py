@@ -1,7 +1,7 @@
 """Config: defaults, file < env < flags precedence, print-config, the example file, exposure.
 
 Errors that name the key and its line are test_config_errors.py's; sizes and durations
-(proxy/units.py) are test_units.py's.
+(proxy/config/units.py) are test_units.py's.
 """
 
 from __future__ import annotations
@@ -13,16 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from proxy import config as config_module
-from proxy.config import (
-    Config,
-    ConfigError,
-    Rule,
-    config_to_toml,
-    env_var_names,
-    load_config,
-)
-from proxy.tomltext import key_lines
+from proxy.config import loader as config_module
+from proxy.config.loader import config_to_toml, env_var_names, load_config
+from proxy.config.model import Config, Rule
+from proxy.config.schema import ConfigError
+from proxy.config.tomltext import key_lines
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -434,7 +429,7 @@ def test_bad_browser_safety_entries_name_key_and_entry(tmp_path, toml, key, frag
     ],
 )
 def test_non_loopback_host_needs_api_keys_or_insecure(host, keys, insecure, refused):
-    from proxy.config import check_exposure
+    from proxy.config.loader import check_exposure
 
     config = Config()
     config.server.host = host

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import psutil
 
-from proxy.config import Config, load_config
+from proxy.config.loader import load_config
+from proxy.config.model import Config
 from proxy.wiring import engine_settings
 from tests.test_config import write
 
@@ -34,8 +35,8 @@ def test_memory_pressure_floor_from_config_reaches_engine_settings(tmp_path):
 
 
 def test_speculative_keys_reach_the_scheduler_and_bad_ones_name_the_key(tmp_path):
-    from engine_bridge.speculation.control import Mode
-    from proxy.config import ConfigError
+    from engine_bridge.scheduling.speculation.control import Mode
+    from proxy.config.schema import ConfigError
 
     assert engine_settings(Config()).speculation.mode is Mode.AUTO
     path = write(tmp_path, "[engine]\nspeculative = 'off'\nspeculative_max_draft = 4\n"

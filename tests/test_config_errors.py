@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.config import ConfigError, load_config
+from proxy.config.loader import load_config
+from proxy.config.schema import ConfigError
 from tests.test_config import (
     no_user_config,  # noqa: F401 (autouse: the user's own config file stays out)
     write,

@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from engine_bridge.engine import Engine, EngineSettings
-from proxy import dashboard
 from proxy.app import create_app
-from proxy.config import UpstreamConfig
+from proxy.cache_api import dashboard
+from proxy.config.model import UpstreamConfig
 from proxy.security import browser_policy
 from proxy.state import ProxySettings
 from tests.conftest import Server, fresh_cache_dir, start_server

@@ -20,7 +20,7 @@ from mlx_lm.utils import load
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from engine_bridge.demo import DEMO_MODEL_IDS, ensure_demo_model, is_demo_model
+from engine_bridge.models.demo import DEMO_MODEL_IDS, ensure_demo_model, is_demo_model
 
 EXPECTED_CACHE_TYPES = {
     "demo-llama": ["KVCache", "KVCache"],
@@ -147,7 +147,7 @@ def test_build_is_byte_identical_across_two_roots(demo_root, tmp_path):
 def test_existing_build_is_returned_without_rebuilding(demo_root, caplog):
     path = demo_root / "models" / "demo-llama"
     mtime = (path / "model.safetensors").stat().st_mtime_ns
-    with caplog.at_level(logging.INFO, logger="engine_bridge.demo"):
+    with caplog.at_level(logging.INFO, logger="engine_bridge.models.demo"):
         assert ensure_demo_model("demo-llama", demo_root) == path
     assert caplog.records == []
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
@@ -158,7 +158,7 @@ def test_incomplete_directory_is_replaced_by_a_fresh_build(demo_root, tmp_path, 
     broken.mkdir(parents=True)
     (broken / "config.json").write_text("{}")
     (tmp_path / "models" / ".demo-swa.tmp-crashed").mkdir()
-    with caplog.at_level(logging.INFO, logger="engine_bridge.demo"):
+    with caplog.at_level(logging.INFO, logger="engine_bridge.models.demo"):
         assert ensure_demo_model("demo-swa", tmp_path) == broken
     assert [r.getMessage().split(" in ")[0] for r in caplog.records] == [
         "built demo model demo-swa"
@@ -415,7 +415,7 @@ _RACE_SCRIPT = textwrap.dedent(
     """
     import logging, sys, time
     from pathlib import Path
-    from engine_bridge.demo import ensure_demo_model
+    from engine_bridge.models.demo import ensure_demo_model
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     root, me, other = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])

@@ -14,9 +14,9 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer_dir
 from mlx_lm.tool_parsers import qwen3_coder
 from mlx_lm.utils import load
 
-from engine_bridge.demo import build, specs, tokenizer
-from engine_bridge.demo.families import FAMILIES, TOOLS, VOCAB_SIZE, write_family_model
-from engine_bridge.prompt import render_chat
+from engine_bridge.models.demo import build, specs, tokenizer
+from engine_bridge.models.demo.families import FAMILIES, TOOLS, VOCAB_SIZE, write_family_model
+from engine_bridge.prompting.render import render_chat
 from engine_bridge.types import Message, ToolCall
 
 R = FAMILIES["qwen3_coder"].one_call.reasoning

@@ -9,8 +9,8 @@ import sys
 
 import httpx
 
-from engine_bridge import models
-from engine_bridge.discovery import scan
+from engine_bridge.models import loading as models
+from engine_bridge.models.discovery import scan
 from tests.conftest import REPO, fresh_cache_dir, start_server
 
 

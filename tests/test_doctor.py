@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine_bridge.preflight import weights_bytes
+from engine_bridge.models.preflight import weights_bytes
 from proxy.doctor import EXTRAS, PROGRAMS
 from tests.conftest import REPO, free_port
 from tests.fake_lmstudio import FakeLmStudio, FakeModel, lmstudio_model_folder

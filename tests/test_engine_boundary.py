@@ -20,11 +20,11 @@ import openai
 import orjson
 import pytest
 
-from engine_bridge import models
 from engine_bridge.engine import Engine, EngineSettings
+from engine_bridge.models import loading as models
 from engine_bridge.types import EngineError, GenerationFailed, GenerationRequest
 from proxy.app import create_app
-from proxy.config import UpstreamConfig
+from proxy.config.model import UpstreamConfig
 from proxy.state import ProxySettings
 from tests.conftest import fresh_cache_dir, start_server
 

@@ -13,8 +13,8 @@ from test_cache_tiers import BS, EXTRA, SCOPE, block
 from engine_bridge import kv
 from engine_bridge.cache.evictions import EvictionRecord
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.manager import CacheManager
-from engine_bridge.cache.ssd import SSDConfig, SSDStore
+from engine_bridge.cache.ram.manager import CacheManager
+from engine_bridge.cache.ssd.store import SSDConfig, SSDStore
 from engine_bridge.cache.tiers import TieredCache
 
 A = Chain(list(range(100, 116)), BS, EXTRA)  # 4 blocks

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine_bridge.fair_queue import FairQueue
+from engine_bridge.scheduling.fair_queue import FairQueue
 
 
 def test_a_flood_waits_behind_everyone_elses_next_request():

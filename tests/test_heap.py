@@ -1,4 +1,4 @@
-"""glibc heap tuning (engine_bridge/heap.py), each case in a fresh process: the mmap
+"""glibc heap tuning (engine_bridge/ops/heap.py), each case in a fresh process: the mmap
 threshold a large free would raise stays at 128 KiB once tuned, and the heap figures add up."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine_bridge import heap
+from engine_bridge.ops import heap
 
 pytestmark = pytest.mark.skipif(not heap.usage(), reason="needs glibc (mallinfo2, mallopt)")
 

@@ -18,7 +18,7 @@ SYSTEM = "You are a patient assistant who explains storage and caching. " * 30
 @pytest.fixture(scope="module")
 def wide_llama(demo_root, tmp_path_factory):
     """demo-llama with head_dim 32: mx.quantize groups need at least 32 values per row."""
-    from engine_bridge.demo.weights import random_weights, save_weights
+    from engine_bridge.models.demo.weights import random_weights, save_weights
 
     src = demo_root / "models" / "demo-llama"
     out = tmp_path_factory.mktemp("wide") / "wide-llama"

@@ -15,12 +15,12 @@ from aiohttp import web
 
 from engine_bridge.engine import Engine, EngineSettings
 from proxy.app import create_app
-from proxy.config import UpstreamConfig
+from proxy.config.model import UpstreamConfig
 from proxy.state import ProxySettings
 from tests.conftest import fresh_cache_dir
 
 MODEL = "demo-llama"
-LOGGER = "proxy.lmstudio_api"
+LOGGER = "proxy.dialects.lmstudio"
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine_bridge.models import ModelRef
-from proxy.lmstudio_rest import LmsModel, LmStudioError, LmStudioRest, UnloadRefused
-from proxy.one_copy import same_model
+from engine_bridge.models.loading import ModelRef
+from proxy.upstream.lmstudio_rest import LmsModel, LmStudioError, LmStudioRest, UnloadRefused
+from proxy.upstream.one_copy import same_model
 from tests.fake_lmstudio import FakeLmStudio, FakeModel
 
 TOKEN = "lms-test-token"
@@ -169,8 +169,9 @@ def test_demo_models_never_match():
 
 
 def test_upstream_settings_are_checked_and_turn_the_hook_off():
-    from proxy.config import ConfigError, load_config
-    from proxy.one_copy import UnloadDuplicates
+    from proxy.config.loader import load_config
+    from proxy.config.schema import ConfigError
+    from proxy.upstream.one_copy import UnloadDuplicates
     from proxy.wiring import before_load_hook
 
     env = "MLX_PROMPT_CACHE_UPSTREAM_"

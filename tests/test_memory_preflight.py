@@ -16,11 +16,11 @@ import openai
 import pytest
 
 from engine_bridge.engine import Engine, EngineSettings
-from engine_bridge.models import ModelRef
-from engine_bridge.preflight import Machine, RamReading, Usage, plan
+from engine_bridge.models.loading import ModelRef
+from engine_bridge.models.preflight import Machine, RamReading, Usage, plan
 from engine_bridge.types import EngineError, GenerationRequest, Message, Sampling
 from proxy.app import create_app
-from proxy.config import UpstreamConfig
+from proxy.config.model import UpstreamConfig
 from proxy.state import ProxySettings
 from tests.conftest import fresh_cache_dir
 

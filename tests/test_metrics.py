@@ -18,9 +18,9 @@ import pytest
 from conftest import fresh_cache_dir, start_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_bridge.cache.manager import CacheStats
-from engine_bridge.cache.ssd import SSDStats
-from proxy import metrics
+from engine_bridge.cache.ram.manager import CacheStats
+from engine_bridge.cache.ssd.store import SSDStats
+from proxy.cache_api import metrics
 
 LLAMA = "demo-llama"
 P = "mlx_prompt_cache_"

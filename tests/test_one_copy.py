@@ -1,5 +1,5 @@
 """One copy of the weights beside LM Studio: before the proxy loads a model in-process,
-LM Studio unloads its own instances of the same model (proxy/one_copy.py).
+LM Studio unloads its own instances of the same model (proxy/upstream/one_copy.py).
 
 The proxy (a real server, or the real app in-process), the model and LM Studio's API are
 real; LM Studio is a fake that answers its documented REST shapes (tests/fake_lmstudio.py).
@@ -19,10 +19,10 @@ import httpx
 import pytest
 
 from engine_bridge.engine import Engine, EngineSettings
-from engine_bridge.models import ModelRef
-from engine_bridge.preflight import Machine, RamReading, weights_bytes
+from engine_bridge.models.loading import ModelRef
+from engine_bridge.models.preflight import Machine, RamReading, weights_bytes
 from proxy.app import create_app
-from proxy.config import Config, UpstreamConfig
+from proxy.config.model import Config, UpstreamConfig
 from proxy.state import ProxySettings
 from proxy.wiring import before_load_hook
 from tests.conftest import REPO, fresh_cache_dir, start_server

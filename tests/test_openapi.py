@@ -8,10 +8,10 @@ import pytest
 import schemathesis
 
 from engine_bridge.engine import Engine, EngineSettings
-from proxy import openapi
 from proxy.app import create_app
-from proxy.config import UpstreamConfig
+from proxy.config.model import UpstreamConfig
 from proxy.errors import ApiError, error_body
+from proxy.openapi import document as openapi
 from proxy.state import ProxySettings
 from tests.conftest import DEMO_IDS, fresh_cache_dir
 

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from engine_bridge.output_format import OutputFormat, typed_arguments
-from proxy.output import merge
+from engine_bridge.prompting.output_format import OutputFormat, typed_arguments
+from proxy.dialects.output import merge
 
 TEXT = (
     "<think>\nThe user wants the weather.\n</think>\n\nLet me check."
@@ -151,8 +151,8 @@ def test_openai_and_anthropic_sdk_models_accept_tool_call_responses(parse):
     from anthropic.types import Message
     from openai.types.chat import ChatCompletion
 
-    from proxy.anthropic_api import block_json
-    from proxy.openai_api import tool_call_json
+    from proxy.dialects.anthropic import block_json
+    from proxy.dialects.openai import tool_call_json
 
     parts = parse(TEXT, 5)
     call = tool_call_json(parts[2])

@@ -9,9 +9,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from engine_bridge.output_format import OutputFormat
-from engine_bridge.output_rules import call_marker_is_token, output_rule
-from engine_bridge.sampling import RowSampler
+from engine_bridge.prompting.output_format import OutputFormat
+from engine_bridge.scheduling.output_rules import call_marker_is_token, output_rule
+from engine_bridge.scheduling.sampling import RowSampler
 from engine_bridge.types import Sampling, ToolChoice
 
 

@@ -19,9 +19,9 @@ import openai
 import pytest
 from aiohttp import web
 
-from engine_bridge.demo import ensure_demo_model
-from proxy.config import UpstreamConfig
-from proxy.passthrough import (
+from engine_bridge.models.demo import ensure_demo_model
+from proxy.config.model import UpstreamConfig
+from proxy.upstream.passthrough import (
     UPSTREAM_CONFIG,
     forward,
     merge_model_lists,

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.utils import load_tokenizer
 
-from engine_bridge import prompt
-from engine_bridge.prefix_memo import PrefixMemo
-from engine_bridge.prompt import (
+from engine_bridge.prompting import render as prompt
+from engine_bridge.prompting.prefix_memo import PrefixMemo
+from engine_bridge.prompting.render import (
     CLAUDE_CODE_BILLING_HEADER,
     NormalizationRule,
     normalize_messages,
@@ -428,7 +428,7 @@ def test_message_starts_equal_per_prefix_renders_on_templates_that_rewrite_histo
 def test_text_with_a_tag_character_is_rendered_prefix_by_prefix(tokenizers, caplog):
     messages = [Message("user", "odd \ufdd0 char"), Message("assistant", "ok")]
     tokenizer = tokenizers["demo-llama"]
-    with caplog.at_level("DEBUG", logger="engine_bridge.prompt"):
+    with caplog.at_level("DEBUG", logger="engine_bridge.prompting.render"):
         assert one_pass(tokenizer, messages) == per_prefix_render(tokenizer, messages)
     assert "tag character" in caplog.text
 
@@ -437,7 +437,7 @@ def test_a_template_that_measures_content_is_rendered_prefix_by_prefix(tokenizer
     messages = [Message("user", "Hi"), Message("assistant", "Hello"), Message("user", "Bye")]
     tokenizer = tokenizers["demo-llama"]
     kwargs = {"chat_template": COUNTS}
-    with caplog.at_level("DEBUG", logger="engine_bridge.prompt"):
+    with caplog.at_level("DEBUG", logger="engine_bridge.prompting.render"):
         assert one_pass(tokenizer, messages, None, kwargs) == per_prefix_render(
             tokenizer, messages, None, kwargs
         )

@@ -15,9 +15,9 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from engine_bridge.types import Message, ToolCall, ToolChoice
+from proxy.dialects.responses import STORE, ResponseStore, build
+from proxy.dialects.responses_items import arrange, parse_items, parse_tool_choice, parse_tools
 from proxy.errors import ApiError
-from proxy.responses_api import STORE, ResponseStore, build
-from proxy.responses_items import arrange, parse_items, parse_tool_choice, parse_tools
 from proxy.state import SETTINGS, ProxySettings
 from tests.conftest import fresh_cache_dir, start_server
 

@@ -13,7 +13,7 @@ import logging
 import pytest
 
 from engine_bridge.engine import Engine, EngineSettings
-from engine_bridge.runner import Runner
+from engine_bridge.scheduling.runner import Runner
 from engine_bridge.types import GenerationFailed, GenerationRequest, Message, Sampling, TokenEvent
 from tests.conftest import fresh_cache_dir
 
@@ -87,7 +87,7 @@ def test_a_step_that_always_raises_fails_its_requests_once_and_others_go_on(engi
         left = (broken.running, broken.prefilling, broken.n_waiting, broken.batch.size)
         return got, failed.value, other_tokens, failed_calls, again, left
 
-    with caplog.at_level(logging.ERROR, logger="engine_bridge.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="engine_bridge.scheduling.scheduler"):
         got, error, other_tokens, failed_calls, again, left = loop.run(scenario())
     assert any(isinstance(ev, TokenEvent) for ev in got), "the stream had started"
     assert isinstance(error.__cause__, RuntimeError)
@@ -113,7 +113,7 @@ def test_a_failing_step_ends_the_waiting_requests_of_that_model_too(engine, capl
         done = await asyncio.wait_for(asyncio.gather(first, second, return_exceptions=True), 30)
         return done
 
-    with caplog.at_level(logging.ERROR, logger="engine_bridge.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="engine_bridge.scheduling.scheduler"):
         first, second = loop.run(scenario())
     assert isinstance(first, GenerationFailed) and "injected fault" in str(first)
     assert isinstance(second, GenerationFailed) and "injected fault" in str(second)

@@ -10,15 +10,15 @@ import pytest
 
 from engine_bridge.cache.checkpoint_writes import DeferredWrites
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
-from engine_bridge.cache.manager import CacheManager
+from engine_bridge.cache.ram.manager import CacheManager
+from engine_bridge.cache.session_registry import MAX_CHAINS, SessionKey, SessionRegistry
 from engine_bridge.cache.session_store import SessionStore
-from engine_bridge.cache.sessions import MAX_CHAINS, SessionKey, SessionRegistry
-from engine_bridge.cache.ssd_offline import offline_clear
+from engine_bridge.cache.ssd.index import Scope
+from engine_bridge.cache.ssd.offline import offline_clear
 from engine_bridge.cache.tiers import TieredCache
-from engine_bridge.session_prune import GoneEntries
-from engine_bridge.sessions import SessionCache
+from engine_bridge.sessions.catalog import SessionCache
+from engine_bridge.sessions.prune import GoneEntries
 from engine_bridge.types import EngineError
 
 BS = 4

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine_bridge.cache.shared_config import SharedWritePolicy
-from proxy.config import Config, ConfigError, load_config
-from proxy.config_shared import shared_settings
+from engine_bridge.cache.shared.config import SharedWritePolicy
+from proxy.config.loader import load_config
+from proxy.config.model import Config
+from proxy.config.schema import ConfigError
+from proxy.config.shared import shared_settings
 
 
 def load(tmp_path, text: str, env: dict | None = None) -> Config:

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine_bridge.cache.ssd_format import FormatError, decode, encode, read_entry
+from engine_bridge.cache.ssd.format import FormatError, decode, encode, read_entry
 from engine_bridge.cache.tensors import HostTensor
 
 KEY = bytes(range(32))

@@ -16,11 +16,11 @@ from safetensors.numpy import load as load_safetensors
 
 from bench.shared_redis import make_certs
 from bench.shared_relay import DelayRelay
-from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind
-from engine_bridge.cache.shared_config import SharedConfig, redacted
-from engine_bridge.cache.shared_store import SharedStore
-from engine_bridge.cache.ssd_format import decode
+from engine_bridge.cache.shared.config import SharedConfig, redacted
+from engine_bridge.cache.shared.store import SharedStore
+from engine_bridge.cache.ssd.format import decode
+from engine_bridge.cache.ssd.index import Scope
 from engine_bridge.cache.tensors import HostTensor
 from tests.redis_helpers import (  # noqa: F401 (redis_server_fixture: the fixture)
     REDIS_SERVER,
@@ -32,7 +32,7 @@ from tests.redis_helpers import (  # noqa: F401 (redis_server_fixture: the fixtu
 
 SCOPE = Scope("model-s", "alice")
 BLOCK = EntryKind.BLOCK
-LOGGER = "engine_bridge.cache.shared_store"
+LOGGER = "engine_bridge.cache.shared.store"
 
 
 def key(i: int) -> bytes:

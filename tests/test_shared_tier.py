@@ -9,13 +9,13 @@ import pytest
 
 from engine_bridge import kv
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
-from engine_bridge.cache.manager import CacheManager
-from engine_bridge.cache.shared_config import SharedConfig, SharedWritePolicy
-from engine_bridge.cache.shared_store import SharedStore
-from engine_bridge.cache.shared_tier import SharedTier
-from engine_bridge.cache.ssd import SSDConfig, SSDStore
+from engine_bridge.cache.ram.manager import CacheManager
+from engine_bridge.cache.shared.config import SharedConfig, SharedWritePolicy
+from engine_bridge.cache.shared.store import SharedStore
+from engine_bridge.cache.shared.tier import SharedTier
+from engine_bridge.cache.ssd.index import Scope
+from engine_bridge.cache.ssd.store import SSDConfig, SSDStore
 from engine_bridge.cache.tiers import TieredCache
 from tests.redis_helpers import RedisServer, redis_server_fixture  # noqa: F401
 from tests.tier_payloads import BS, block, checkpoint, make_chain

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from engine_bridge.engine import Engine, EngineSettings
-from engine_bridge.forced_output import ENV
-from engine_bridge.runner import Runner
-from engine_bridge.speculation.control import Mode, SpeculativeSettings
+from engine_bridge.scheduling.forced_output import ENV
+from engine_bridge.scheduling.runner import Runner
+from engine_bridge.scheduling.speculation.control import Mode, SpeculativeSettings
 from engine_bridge.types import GenerationRequest, GenerationResult, Message, Sampling
 from tests.conftest import DEMO_IDS, fresh_cache_dir
 

@@ -7,8 +7,8 @@ sequence commits."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import json
+import logging
 import random
 
 import mlx.core as mx
@@ -20,10 +20,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.qwen3_5 import TextModelArgs
 
 from engine_bridge.engine import Engine, EngineSettings
-from engine_bridge.speculation import mtp
-from engine_bridge.speculation.control import Mode, SpeculativeSettings
-from engine_bridge.speculation.drafters import PromptLookup
-from engine_bridge.speculation.mtp import MTPDrafter
+from engine_bridge.scheduling.speculation import mtp
+from engine_bridge.scheduling.speculation.control import Mode, SpeculativeSettings
+from engine_bridge.scheduling.speculation.drafters import PromptLookup
+from engine_bridge.scheduling.speculation.mtp import MTPDrafter
 from engine_bridge.types import Message, Sampling
 from tests.conftest import fresh_cache_dir
 from tests.test_speculative import K, _generate, _request, _run
@@ -339,7 +339,7 @@ def test_a_cache_hit_then_the_head_gives_what_plain_gives(demo_root, tmp_path):
 
 
 def test_mtp_without_a_head_decodes_plainly(demo_root, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="engine_bridge.runner")
+    caplog.set_level(logging.WARNING, logger="engine_bridge.scheduling.runner")
     engine = _engine(demo_root, tmp_path / "c", models=("demo-llama", MODEL))
     stats = engine.scheduler.stats
 

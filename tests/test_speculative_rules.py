@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from engine_bridge import kv, models
+from engine_bridge import kv
 from engine_bridge.kv.caches import _leaves
-from engine_bridge.sampling import RowSampler
-from engine_bridge.speculation.acceptance import accept
-from engine_bridge.speculation.control import MAX_PAUSE, Speculation, SpeculativeSettings
-from engine_bridge.speculation.drafters import PromptLookup
+from engine_bridge.models import loading as models
+from engine_bridge.scheduling.sampling import RowSampler
+from engine_bridge.scheduling.speculation.acceptance import accept
+from engine_bridge.scheduling.speculation.control import MAX_PAUSE, Speculation, SpeculativeSettings
+from engine_bridge.scheduling.speculation.drafters import PromptLookup
 from engine_bridge.types import Sampling
 from tests.conftest import DEMO_IDS
 

@@ -21,17 +21,17 @@ from ssd_helpers import (
     tensors,
 )
 
-from engine_bridge.cache import ssd_files
 from engine_bridge.cache.kinds import EntryKind
+from engine_bridge.cache.ssd import files as ssd_files
 from engine_bridge.cache.tensors import HostTensor
 
 CHILD = """
 import sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})
-from engine_bridge.cache.index import Scope
+from engine_bridge.cache.ssd.index import Scope
 from engine_bridge.cache.kinds import EntryKind
-from engine_bridge.cache.ssd import SSDConfig, SSDStore
+from engine_bridge.cache.ssd.store import SSDConfig, SSDStore
 {helpers}
 SCOPE = Scope("model-a")
 store = SSDStore(SSDConfig(root=Path(sys.argv[1])))

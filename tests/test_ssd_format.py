@@ -25,7 +25,7 @@ from ssd_helpers import (
 )
 
 from engine_bridge.cache.kinds import EntryKind
-from engine_bridge.cache.ssd_format import FormatError, encode, parse_header, read_entry
+from engine_bridge.cache.ssd.format import FormatError, encode, parse_header, read_entry
 from engine_bridge.cache.tensors import DTYPE_SIZES, HostTensor
 
 # ---- format and round trip ----------------------------------------------------------

@@ -13,12 +13,12 @@ import pytest
 
 from engine_bridge import kv
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
-from engine_bridge.cache.manager import CacheManager
-from engine_bridge.cache.ssd import SSDConfig, SSDStore
+from engine_bridge.cache.ram.manager import CacheManager
+from engine_bridge.cache.ssd.index import Scope
+from engine_bridge.cache.ssd.store import SSDConfig, SSDStore
+from engine_bridge.cache.ssd.wear import WEAR_FILE, WearMeter
 from engine_bridge.cache.tiers import TieredCache
-from engine_bridge.cache.wear import WEAR_FILE, WearMeter
 from engine_bridge.cache.write_policy import WritePolicy, resolve_write_policy
 from tests import tier_payloads
 from tests.tier_payloads import BS, block, make_chain
@@ -98,7 +98,7 @@ def test_max_write_per_day_stops_writes_with_one_warning_and_reads_go_on(tmp_pat
     c = chain()
     with open_ssd(tmp_path, max_write_per_day=1) as ssd:
         t = tiers(ssd, WritePolicy.THROUGH)
-        with caplog.at_level(logging.WARNING, logger="engine_bridge.cache.ssd"):
+        with caplog.at_level(logging.WARNING, logger="engine_bridge.cache.ssd.store"):
             t.store_blocks(c, SCOPE, {0: block(0)})
             assert ssd.flush(30.0)
             t.store_blocks(c, SCOPE, {i: block(i) for i in range(1, 7)})
@@ -216,7 +216,8 @@ def test_a_generation_end_checkpoint_is_written_only_once_a_request_reuses_it(tm
 
 
 def test_config_keys_reach_the_engine_and_a_disagreeing_alias_is_refused(tmp_path):
-    from proxy.config import ConfigError, load_config
+    from proxy.config.loader import load_config
+    from proxy.config.schema import ConfigError
     from proxy.wiring import engine_settings
 
     path = tmp_path / "config.toml"

@@ -12,10 +12,10 @@ from __future__ import annotations
 from engine_bridge import kv
 from engine_bridge.cache.checkpoint_writes import DeferredStats, DeferredWrites
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
-from engine_bridge.cache.manager import CacheManager
-from engine_bridge.cache.ssd import SSDConfig, SSDStore
+from engine_bridge.cache.ram.manager import CacheManager
+from engine_bridge.cache.ssd.index import Scope
+from engine_bridge.cache.ssd.store import SSDConfig, SSDStore
 from engine_bridge.cache.tiers import TieredCache
 from engine_bridge.cache.write_policy import WritePolicy
 from tests import tier_payloads

@@ -16,9 +16,9 @@ from ssd_helpers import (
     write,
 )
 
-from engine_bridge.cache import ssd_files
-from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind
+from engine_bridge.cache.ssd import files as ssd_files
+from engine_bridge.cache.ssd.index import Scope
 
 # ---- dedupe and queue ---------------------------------------------------------------
 

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_bridge.cache.hashing import BLOCK_SIZE, Chain
-from engine_bridge.cache.index import Scope, is_valid_name
-from engine_bridge.cache.manager import CacheManager
-from engine_bridge.cache.ssd import SSDConfig, SSDStore
+from engine_bridge.cache.ram.manager import CacheManager
+from engine_bridge.cache.ssd.index import Scope, is_valid_name
+from engine_bridge.cache.ssd.store import SSDConfig, SSDStore
 from engine_bridge.cache.tiers import TieredCache
 from engine_bridge.kv import BlockPayload, DenseKV, HostCodec
 

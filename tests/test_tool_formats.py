@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_bridge.demo import families
+from engine_bridge.models.demo import families
 from tests.conftest import fresh_cache_dir, start_server
 
 TOOLS_OPENAI = families.TOOLS

@@ -1,10 +1,10 @@
-"""proxy/units.py: sizes, shares of RAM and durations as config values spell them."""
+"""proxy/config/units.py: sizes, shares of RAM and durations as config values spell them."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxy.units import (
+from proxy.config.units import (
     RAM_BUDGET_FLOOR,
     parse_duration,
     parse_size,

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from proxy.sse_relay import HELD_MAX, EventStream
+from proxy.upstream.relay import HELD_MAX, EventStream
 from tests.conftest import Server, fresh_cache_dir, start_server
 from tests.test_upstream_routing import _start_mlx_server
 

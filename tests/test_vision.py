@@ -19,9 +19,9 @@ pytest.importorskip("mlx_vlm")
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from engine_bridge import vision  # noqa: E402
-from engine_bridge import vision_prompt as vp  # noqa: E402
 from engine_bridge.types import EngineError, ImageInput  # noqa: E402
+from engine_bridge.vision import model as vision  # noqa: E402
+from engine_bridge.vision import prompt as vp  # noqa: E402
 
 
 def picture(seed: int, width: int = 120, height: int = 90) -> Image.Image:
@@ -37,7 +37,7 @@ def encoded(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
 
 @pytest.fixture(scope="module", params=["demo-vision", "demo-vision-hybrid"])
 def demo_vision(request, tmp_path_factory):
-    from engine_bridge.demo import ensure_demo_model
+    from engine_bridge.models.demo import ensure_demo_model
 
     path = ensure_demo_model(request.param, tmp_path_factory.mktemp("vision-root"))
     model, config = vision.load(path)
@@ -234,7 +234,7 @@ def test_the_same_bytes_are_preprocessed_once_and_limits_still_apply(demo_vision
 def test_normalization_rules_rewrite_the_text_between_images():
     import re
 
-    from engine_bridge.prompt import NormalizationRule, normalize_messages
+    from engine_bridge.prompting.render import NormalizationRule, normalize_messages
     from engine_bridge.types import Message
 
     image = ImageInput(b"png bytes", "image/png", "messages[0].content[1].source.data")
@@ -252,7 +252,7 @@ def test_normalization_rules_rewrite_the_text_between_images():
 def test_models_listing_says_which_models_can_see(tmp_path, demo_vision):
     import json
 
-    from engine_bridge.discovery import scan
+    from engine_bridge.models.discovery import scan
 
     _, config, _ = demo_vision
     root = tmp_path / "lmstudio"

@@ -21,18 +21,18 @@ import httpx  # noqa: E402
 from conftest import fresh_cache_dir, start_server  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from engine_bridge import vision  # noqa: E402
-from engine_bridge import vision_prompt as vp  # noqa: E402
 from engine_bridge.cache.hashing import Chain  # noqa: E402
-from engine_bridge.cache.index import Scope  # noqa: E402
 from engine_bridge.cache.kinds import EntryKind  # noqa: E402
-from engine_bridge.cache.manager import CacheManager  # noqa: E402
-from engine_bridge.cache.shared_config import SharedConfig, SharedWritePolicy  # noqa: E402
-from engine_bridge.cache.shared_store import SharedStore  # noqa: E402
-from engine_bridge.cache.shared_tier import SharedTier  # noqa: E402
-from engine_bridge.cache.ssd import SSDConfig, SSDStore  # noqa: E402
+from engine_bridge.cache.ram.manager import CacheManager  # noqa: E402
+from engine_bridge.cache.shared.config import SharedConfig, SharedWritePolicy  # noqa: E402
+from engine_bridge.cache.shared.store import SharedStore  # noqa: E402
+from engine_bridge.cache.shared.tier import SharedTier  # noqa: E402
+from engine_bridge.cache.ssd.index import Scope  # noqa: E402
+from engine_bridge.cache.ssd.store import SSDConfig, SSDStore  # noqa: E402
 from engine_bridge.types import ImageInput  # noqa: E402
-from engine_bridge.vision_features import FeatureCache  # noqa: E402
+from engine_bridge.vision import model as vision  # noqa: E402
+from engine_bridge.vision import prompt as vp  # noqa: E402
+from engine_bridge.vision.features import FeatureCache  # noqa: E402
 from tests.redis_helpers import redis_server_fixture  # noqa: E402, F401
 
 MODEL = "demo-vision"
@@ -47,7 +47,7 @@ def png(seed: int, width: int = 120, height: int = 90) -> bytes:
 
 @pytest.fixture(scope="module")
 def vision_root(tmp_path_factory):
-    from engine_bridge.demo import ensure_demo_model
+    from engine_bridge.models.demo import ensure_demo_model
 
     root = tmp_path_factory.mktemp("vision-features")
     ensure_demo_model(MODEL, root)

@@ -47,7 +47,7 @@ def image_block(seed: int) -> dict:
 
 @pytest.fixture(scope="module")
 def vision_root(tmp_path_factory) -> Path:
-    from engine_bridge.demo import ensure_demo_model
+    from engine_bridge.models.demo import ensure_demo_model
 
     root = tmp_path_factory.mktemp("vision-http")
     ensure_demo_model(MODEL, root)
@@ -338,9 +338,9 @@ def test_the_served_answer_is_mlx_vlms_own_greedy_generation(server, tokenizer, 
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine_bridge import vision
-    from engine_bridge import vision_prompt as vp
     from engine_bridge.types import ImageInput
+    from engine_bridge.vision import model as vision
+    from engine_bridge.vision import prompt as vp
 
     chat = Chat(server, tokenizer)
     messages = [

@@ -22,7 +22,7 @@ MODEL = "demo-vision-hybrid"
 
 @pytest.fixture(scope="module")
 def hybrid_root(tmp_path_factory) -> Path:
-    from engine_bridge.demo import ensure_demo_model
+    from engine_bridge.models.demo import ensure_demo_model
 
     root = tmp_path_factory.mktemp("vision-hybrid-http")
     ensure_demo_model(MODEL, root)

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine_bridge.cache.checkpoints import Checkpoint
 from engine_bridge.cache.hashing import BlockHash
+from engine_bridge.cache.ram.checkpoints import Checkpoint
 
 # About 15 snapshots of a 30-layer Gated DeltaNet model (66 MB each), or 64 small ones.
 MAX_HELD = 64

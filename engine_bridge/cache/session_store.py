@@ -18,8 +18,8 @@ import threading
 from pathlib import Path
 
 from engine_bridge.cache.hashing import HASH_BYTES
-from engine_bridge.cache.index import Scope
-from engine_bridge.cache.sessions import SessionKey, SessionRecord, SessionRegistry
+from engine_bridge.cache.session_registry import SessionKey, SessionRecord, SessionRegistry
+from engine_bridge.cache.ssd.index import Scope
 
 log = logging.getLogger(__name__)
 

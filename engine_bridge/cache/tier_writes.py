@@ -26,13 +26,13 @@ from engine_bridge.cache.checkpoint_writes import (
     has_snapshots,
     skip_if_superseded,
 )
-from engine_bridge.cache.checkpoints import Checkpoint
 from engine_bridge.cache.hashing import BlockHash, Chain
-from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
-from engine_bridge.cache.manager import CacheManager, Entry
-from engine_bridge.cache.matching import Match
-from engine_bridge.cache.ssd import PutOutcome, PutReason, SSDStore
+from engine_bridge.cache.ram.checkpoints import Checkpoint
+from engine_bridge.cache.ram.manager import CacheManager, Entry
+from engine_bridge.cache.ram.matching import Match
+from engine_bridge.cache.ssd.index import Scope
+from engine_bridge.cache.ssd.store import PutOutcome, PutReason, SSDStore
 from engine_bridge.cache.tensors import HostTensor
 from engine_bridge.cache.write_policy import SPARSE_PERIODIC_EVERY, WritePolicy
 

@@ -20,18 +20,18 @@ from typing import TYPE_CHECKING, Any
 
 from engine_bridge.cache.checkpoint_writes import DeferredWrites
 from engine_bridge.cache.hashing import BlockHash, Chain
-from engine_bridge.cache.index import Scope
 from engine_bridge.cache.kinds import EntryKind, Reason
-from engine_bridge.cache.manager import CacheManager, CacheStats
-from engine_bridge.cache.matching import Match
-from engine_bridge.cache.ssd import SSDStats, SSDStore
+from engine_bridge.cache.ram.manager import CacheManager, CacheStats
+from engine_bridge.cache.ram.matching import Match
+from engine_bridge.cache.ssd.index import Scope
+from engine_bridge.cache.ssd.store import SSDStats, SSDStore
 from engine_bridge.cache.tier_writes import META_REASON, Codec, Stored, TierWrites, WriteStats
 from engine_bridge.cache.write_policy import WritePolicy
 
 if TYPE_CHECKING:
-    from engine_bridge.cache.shared_store import SharedStats
-    from engine_bridge.cache.shared_tier import SharedTier
-    from engine_bridge.cache.ssd import SSDEntry
+    from engine_bridge.cache.shared.store import SharedStats
+    from engine_bridge.cache.shared.tier import SharedTier
+    from engine_bridge.cache.ssd.store import SSDEntry
 
 __all__ = ["Codec", "Hit", "SSDPlan", "Stored", "TierStats", "TieredCache"]
 

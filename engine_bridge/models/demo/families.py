@@ -1,0 +1,484 @@
+"""Test models that speak other families' output formats, and answers in each one's markup.
+
+A family model is demo-llama's architecture over the demo tokenizer, with the family's
+chat template (mlx-lm infers the tool parser from it) or, for families we have no template
+for, the Hermes template plus `tool_parser_type` in tokenizer_config.json (mlx-lm honours
+that key). Markers the real tokenizer has as single tokens are single tokens here too:
+appended after the demo's ids, or, where the demo's own markup would change what mlx-lm
+infers (Gemma 4 and gpt-oss have no `<think>`), put in its place. Every family model has
+the same vocabulary size and so the same weights.
+
+Each family carries example answers in its real markup, reasoning first: one call and two
+calls, as the model writes them right after the family's generation prompt. Forcing a model
+to write one of them must give back `reasoning` and `calls` (tests/test_demo_templates.py
+checks each text with the family's mlx-lm parser).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Tokenizer
+
+from . import specs, tokenizer
+
+# Room for every family's extra tokens; the model's vocabulary covers the tokenizer's.
+EXTRA_IDS = 32
+VOCAB_SIZE = tokenizer.VOCAB_SIZE + EXTRA_IDS
+
+
+def _tool(name: str, properties: dict[str, str]) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"The {name} tool.",
+            "parameters": {
+                "type": "object",
+                "properties": {k: {"type": t} for k, t in properties.items()},
+                "required": list(properties),
+            },
+        },
+    }
+
+
+# The tools the examples call; the integers come back typed only with this schema.
+TOOLS = [
+    _tool("Bash", {"command": "string", "timeout": "integer"}),
+    _tool("Read", {"file_path": "string", "limit": "integer"}),
+]
+REASONING = "The user wants to see the files, so I list them."
+BASH = {"name": "Bash", "arguments": {"command": "ls -la", "timeout": 30}}
+READ = {"name": "Read", "arguments": {"file_path": "README.md", "limit": 20}}
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    """An answer as the model writes it after the generation prompt, and what it means."""
+
+    text: str
+    # The reasoning in it, without its markers or the blank lines around it.
+    reasoning: str
+    # {"name": ..., "arguments": {...}}, arguments typed by TOOLS' schema.
+    calls: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One output format: how its test model is built, and answers in its markup."""
+
+    name: str
+    # The mlx-lm tool_parsers module that reads its calls; None for harmony (no parser).
+    parser: str | None
+    # Its chat template under demo/data; None: the Hermes template and, when `parser` is
+    # set, an explicit `tool_parser_type`.
+    template: str | None
+    # The reasoning markers mlx-lm infers from the vocabulary (think_start, think_end).
+    think: tuple[str, str] | None
+    # The generation prompt opens the reasoning block, so `text` starts inside it.
+    opens_thinking: bool
+    one_call: Example
+    # None where the format cannot hold two calls in one generation (gpt-oss stops at
+    # `<|call|>`, an end-of-sequence token).
+    two_calls: Example | None
+    # Demo tokens replaced in place (same id), control tokens and markup tokens appended.
+    renames: dict[str, str] = field(default_factory=dict)
+    control: tuple[str, ...] = ()
+    markup: tuple[str, ...] = ()
+    # End-of-sequence tokens, first one the tokenizer's eos_token.
+    eos: tuple[str, ...] = (tokenizer.EOS_TOKEN,)
+
+    @property
+    def explicit(self) -> bool:
+        """tokenizer_config.json names the parser (mlx-lm cannot infer it from a template)."""
+        return self.parser is not None and self.template is None
+
+    def chat_template(self) -> str:
+        return tokenizer.chat_template(self.template or specs.HERMES_TEMPLATE)
+
+
+# -- how each family writes reasoning and calls ---------------------------------------------
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _text(value: Any) -> str:
+    """A value as the XML-ish formats write it: strings as they are, the rest as JSON."""
+    return value if isinstance(value, str) else _json(value)
+
+
+def _think(reasoning: str) -> str:
+    # After a ChatML generation prompt that opens nothing: the demo vocabulary's markers.
+    return f"<think>\n{reasoning}\n</think>\n\n"
+
+
+def _example(
+    reasoning: str, calls: tuple[dict[str, Any], ...], head: Callable[[str], str], body: str
+) -> Example:
+    return Example(head(reasoning) + body, reasoning, calls)
+
+
+def _examples(
+    head: Callable[[str], str],
+    write: Callable[[tuple[dict[str, Any], ...]], str],
+    two: bool = True,
+) -> tuple[Example, Example | None]:
+    one_call, two_calls = (BASH,), (BASH, READ)
+    return (
+        _example(REASONING, one_call, head, write(one_call)),
+        _example(REASONING, two_calls, head, write(two_calls)) if two else None,
+    )
+
+
+def _hermes(calls):
+    return "\n".join(f"<tool_call>{_json(c)}</tool_call>" for c in calls)
+
+
+def _qwen3_xml(calls):
+    def one(c):
+        params = "".join(
+            f"<parameter={k}>\n{_text(v)}\n</parameter>\n" for k, v in c["arguments"].items()
+        )
+        return f"<tool_call>\n<function={c['name']}>\n{params}</function>\n</tool_call>"
+
+    return "\n".join(one(c) for c in calls)
+
+
+def _glm47(calls):
+    def one(c):
+        args = "".join(
+            f"<arg_key>{k}</arg_key><arg_value>{_text(v)}</arg_value>"
+            for k, v in c["arguments"].items()
+        )
+        return f"<tool_call>{c['name']}{args}</tool_call>"
+
+    return "".join(one(c) for c in calls)
+
+
+def _gemma_value(value: Any) -> str:
+    if isinstance(value, str):
+        return f'<|"|>{value}<|"|>'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return _json(value)
+
+
+def _gemma4(calls):
+    def one(c):
+        args = ",".join(f"{k}:{_gemma_value(v)}" for k, v in c["arguments"].items())
+        return f"<|tool_call>call:{c['name']}{{{args}}}<tool_call|>"
+
+    return "".join(one(c) for c in calls)
+
+
+def _kimi_k2(calls):
+    body = "".join(
+        f"<|tool_call_begin|>functions.{c['name']}:{i}<|tool_call_argument_begin|>"
+        f"{_json(c['arguments'])}<|tool_call_end|>"
+        for i, c in enumerate(calls)
+    )
+    return f"<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
+
+
+def _minimax_m2(calls):
+    def one(c):
+        params = "".join(
+            f'<parameter name="{k}">{_text(v)}</parameter>\n' for k, v in c["arguments"].items()
+        )
+        return f'<invoke name="{c["name"]}">\n{params}</invoke>\n'
+
+    return "<minimax:tool_call>\n" + "".join(one(c) for c in calls) + "</minimax:tool_call>"
+
+
+def _mistral(calls):
+    return "".join(f"[TOOL_CALLS]{c['name']}[ARGS]{_json(c['arguments'])}" for c in calls)
+
+
+def _pythonic(calls):
+    def one(c):
+        return f"{c['name']}({', '.join(f'{k}={_json(v)}' for k, v in c['arguments'].items())})"
+
+    return f"<|tool_call_start|>[{', '.join(one(c) for c in calls)}]<|tool_call_end|>"
+
+
+def _function_gemma(calls):
+    def value(v):
+        return f"<escape>{v}<escape>" if isinstance(v, str) else _json(v)
+
+    def one(c):
+        args = ",".join(f"{k}:{value(v)}" for k, v in c["arguments"].items())
+        return f"<start_function_call>call:{c['name']}{{{args}}}<end_function_call>"
+
+    return "".join(one(c) for c in calls)
+
+
+def _longcat(calls):
+    def one(c):
+        args = "".join(
+            f"<longcat_arg_key>{k}</longcat_arg_key>\n"
+            f"<longcat_arg_value>{_text(v)}</longcat_arg_value>\n"
+            for k, v in c["arguments"].items()
+        )
+        return f"<longcat_tool_call>{c['name']}\n{args}</longcat_tool_call>"
+
+    return "\n".join(one(c) for c in calls)
+
+
+def _minicpm5(calls):
+    def one(c):
+        params = "".join(f'<param name="{k}">{_text(v)}</param>' for k, v in c["arguments"].items())
+        return f'<function name="{c["name"]}">{params}</function>'
+
+    return "".join(one(c) for c in calls)
+
+
+def _harmony(calls):
+    (call,) = calls
+    args = json.dumps(call["arguments"], ensure_ascii=False, separators=(",", ":"))
+    return (
+        f"<|start|>assistant<|channel|>commentary to=functions.{call['name']} "
+        f"<|constrain|>json<|message|>{args}<|call|>"
+    )
+
+
+def _family(name: str, write, head=_think, two: bool = True, **kwargs: Any) -> Family:
+    one_call, two_calls = _examples(head, write, two)
+    return Family(name=name, one_call=one_call, two_calls=two_calls, **kwargs)
+
+
+_THINK = ("<think>", "</think>")
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        # demo-llama's and demo-swa's own format.
+        _family(
+            "json_tools",
+            _hermes,
+            parser="json_tools",
+            template=specs.HERMES_TEMPLATE,
+            think=_THINK,
+            opens_thinking=False,
+        ),
+        # demo-hybrid's: Qwen3.5/3.6 XML calls, <think> opened by the generation prompt.
+        _family(
+            "qwen3_coder",
+            _qwen3_xml,
+            head=lambda r: f"{r}\n</think>\n\n",
+            parser="qwen3_coder",
+            template=specs.chat_template_file("demo-hybrid"),
+            think=_THINK,
+            opens_thinking=True,
+        ),
+        _family(
+            "glm47",
+            _glm47,
+            head=lambda r: f"{r}</think>",
+            parser="glm47",
+            template="chat_template_glm4_7.jinja",
+            think=_THINK,
+            opens_thinking=True,
+            control=(
+                "[gMASK]",
+                "<sop>",
+                "<|system|>",
+                "<|user|>",
+                "<|assistant|>",
+                "<|observation|>",
+            ),
+            markup=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+            eos=("<|user|>", "<|observation|>", "<|endoftext|>"),
+        ),
+        _family(
+            "gemma4",
+            _gemma4,
+            head=lambda r: f"<|channel>thought\n{r}<channel|>",
+            parser="gemma4",
+            template="chat_template_gemma4.jinja",
+            think=("<|channel>thought", "<channel|>"),
+            opens_thinking=False,
+            # Gemma's vocabulary has none of the ChatML markup; mlx-lm would find <think>
+            # before <|channel>.
+            renames={
+                "<|im_start|>": "<|turn>",
+                "<|im_end|>": "<turn|>",
+                "<think>": "<|channel>",
+                "</think>": "<channel|>",
+                "<tool_call>": "<|tool_call>",
+                "</tool_call>": "<tool_call|>",
+                "<tool_response>": "<|tool_response>",
+                "</tool_response>": "<tool_response|>",
+            },
+            markup=('<|"|>', "<|think|>", "<|tool>", "<tool|>"),
+            eos=("<turn|>", "<|tool_response>"),
+        ),
+        # gpt-oss: mlx-lm has no parser; engine_bridge/prompting/harmony.py reads the channels.
+        _family(
+            "harmony",
+            _harmony,
+            head=lambda r: f"<|channel|>analysis<|message|>{r}<|end|>",
+            two=False,
+            parser=None,
+            template="chat_template_harmony.jinja",
+            think=None,
+            opens_thinking=False,
+            renames={
+                "<think>": "<|start|>",
+                "</think>": "<|end|>",
+                "<tool_call>": "<|message|>",
+                "</tool_call>": "<|channel|>",
+                "<tool_response>": "<|constrain|>",
+                "</tool_response>": "<|return|>",
+            },
+            markup=("<|call|>",),
+            eos=("<|return|>", "<|call|>"),
+        ),
+        # No template of ours: the Hermes one, and tool_parser_type names the parser.
+        _family(
+            "kimi_k2",
+            _kimi_k2,
+            parser="kimi_k2",
+            template=None,
+            think=_THINK,
+            opens_thinking=False,
+            markup=(
+                "<|tool_calls_section_begin|>",
+                "<|tool_calls_section_end|>",
+                "<|tool_call_begin|>",
+                "<|tool_call_argument_begin|>",
+                "<|tool_call_end|>",
+            ),
+        ),
+        _family(
+            "minimax_m2",
+            _minimax_m2,
+            parser="minimax_m2",
+            template=None,
+            think=_THINK,
+            opens_thinking=False,
+            markup=("<minimax:tool_call>", "</minimax:tool_call>"),
+        ),
+        # Magistral writes [THINK]...[/THINK], which mlx-lm 0.32.2 does not infer: the
+        # reasoning here uses the demo vocabulary's <think>.
+        _family(
+            "mistral",
+            _mistral,
+            parser="mistral",
+            template=None,
+            think=_THINK,
+            opens_thinking=False,
+            markup=("[TOOL_CALLS]", "[ARGS]"),
+        ),
+        _family(
+            "pythonic",
+            _pythonic,
+            parser="pythonic",
+            template=None,
+            think=_THINK,
+            opens_thinking=False,
+            markup=("<|tool_call_start|>", "<|tool_call_end|>"),
+        ),
+        _family(
+            "function_gemma",
+            _function_gemma,
+            parser="function_gemma",
+            template=None,
+            think=_THINK,
+            opens_thinking=False,
+            markup=("<start_function_call>", "<end_function_call>", "<escape>"),
+        ),
+        _family(
+            "longcat",
+            _longcat,
+            head=lambda r: f"<longcat_think>\n{r}\n</longcat_think>\n\n",
+            parser="longcat",
+            template=None,
+            think=("<longcat_think>", "</longcat_think>"),
+            opens_thinking=False,
+            renames={
+                "<think>": "<longcat_think>",
+                "</think>": "</longcat_think>",
+                "<tool_call>": "<longcat_tool_call>",
+                "</tool_call>": "</longcat_tool_call>",
+            },
+            markup=(
+                "<longcat_arg_key>",
+                "</longcat_arg_key>",
+                "<longcat_arg_value>",
+                "</longcat_arg_value>",
+            ),
+        ),
+        _family(
+            "minicpm5",
+            _minicpm5,
+            parser="minicpm5",
+            template=None,
+            think=_THINK,
+            opens_thinking=False,
+        ),
+    )
+}
+
+
+# -- building a family model ----------------------------------------------------------------
+
+
+def family_tokenizer(family: Family) -> Tokenizer:
+    """The demo tokenizer with `family`'s tokens renamed in place and appended."""
+    data = json.loads(tokenizer.train_tokenizer().to_str())
+    names = {t["content"] for t in data["added_tokens"]}
+    assert set(family.renames) <= names, (family.name, set(family.renames) - names)
+    for added in data["added_tokens"]:
+        added["content"] = family.renames.get(added["content"], added["content"])
+    tok = Tokenizer.from_str(json.dumps(data))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in family.control])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in family.markup])
+    size = tok.get_vocab_size(with_added_tokens=True)
+    assert size == tokenizer.VOCAB_SIZE + len(family.control) + len(family.markup) <= VOCAB_SIZE, (
+        family.name,
+        size,
+    )
+    return tok
+
+
+def write_family_model(out_dir: Path, family: str) -> Path:
+    """Write a loadable model directory speaking `family` (a FAMILIES key) into `out_dir`."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; valid: {', '.join(FAMILIES)}")
+    spec = FAMILIES[family]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = family_tokenizer(spec)
+    eos_ids = [tok.token_to_id(t) for t in spec.eos]
+    assert None not in eos_ids, (family, spec.eos, eos_ids)
+    config = {
+        **specs.model_config("demo-llama", VOCAB_SIZE, eos_ids[0]),
+        "eos_token_id": eos_ids if len(eos_ids) > 1 else eos_ids[0],
+    }
+    from . import weights  # imports mlx: only when a model is written
+
+    weights.save_weights(_weights(), out / "model.safetensors")
+    extra = {"tool_parser_type": spec.parser} if spec.explicit else {}
+    tokenizer.write_tokenizer_files(
+        tok, out, spec.chat_template(), eos_token=spec.eos[0], extra=extra
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+@functools.cache
+def _weights() -> dict[str, Any]:
+    # One set for every family: the same vocabulary size, and every id from the demo's
+    # first special token on muted (controls, markup, family tokens and the unused rest).
+    from . import weights
+
+    config = specs.model_config("demo-llama", VOCAB_SIZE, 0)
+    first = tokenizer.VOCAB_SIZE - len(tokenizer.SPECIAL_TOKENS)
+    return weights.random_weights(config, list(range(first, VOCAB_SIZE)))

@@ -1,0 +1,288 @@
+"""Why a request missed: the last requests with what the cache gave and a reason class.
+
+Each finished request is compared with the previous request of its session (tenant,
+model, session id): how far their tokens agree says how much the cache could have given,
+the messages say why the prompt left the earlier one, and the tiers' eviction records
+(`LookupReport.lost`) say whether what came next was evicted or expired. A hit-ratio
+alert watches the last `ALERT_WINDOW` requests that used the cache.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import logging
+import threading
+import time
+from array import array
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Literal
+
+from ..prompt_cache import LookupReport
+from ..scheduling.runner import common_prefix
+from ..types import GenerationRequest, GenerationResult, Message
+
+if TYPE_CHECKING:
+    from ..scheduling.sequence import Seq
+
+log = logging.getLogger("engine_bridge.ops.request_log")
+
+Reason = Literal[
+    "hit",
+    "new_session",
+    "evicted_ram",
+    "evicted_ssd",
+    "expired",
+    "history_edited",
+    "system_or_tools_changed",
+    "template_changed",
+    "bypass",
+    "partial",
+]
+
+MAX_RECORDS = 500
+# Sessions whose previous prompt is kept to compare the next one with (LRU beyond this).
+MAX_SESSIONS = 256
+ALERT_WINDOW = 20
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One finished request, as GET /v1/cache/requests lists it."""
+
+    id: str
+    time: float  # unix seconds when it arrived
+    model: str
+    tenant: str
+    session: str
+    prompt_tokens: int
+    hit_tokens: int
+    source: str
+    ttft_s: float
+    prefill_tok_s: float | None
+    diverged_at: int | None
+    diverged_message: int | None
+    before: str
+    after: str
+    reason: Reason
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSummary:
+    """What a session's previous request left to compare the next one with."""
+
+    tokens: array  # the prompt, plus the output the cache stored after it
+    message_starts: tuple[int, ...]
+    message_index: tuple[int, ...]
+    messages: tuple[bytes, ...]  # a digest per message, as text
+    head: bytes  # a digest of the leading system messages and the tools
+    ends: tuple[int, ...]  # where its prompt ended and its generation (checkpoints)
+
+    def message_at(self, token: int) -> int:
+        """The message holding `token` (0 before the first known start)."""
+        i = bisect.bisect_right(self.message_starts, token) - 1
+        return self.message_index[i] if i >= 0 else 0
+
+
+def summarize(req: GenerationRequest, prompt_tokens: Sequence[int], out: Sequence[int],
+              message_starts: Sequence[int], message_index: Sequence[int]) -> PromptSummary:  # fmt: skip
+    messages = req.messages or []
+    # The cache holds the prompt plus every generated token but the last (never fed back).
+    stored = array("i", prompt_tokens)
+    stored.extend(out[:-1])
+    ends = (len(prompt_tokens) - 1, len(stored)) if len(out) > 1 else (len(prompt_tokens) - 1,)
+    n_head = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
+    head = hashlib.blake2b(digest_size=16)
+    for m in messages[:n_head]:
+        head.update(_digest(m))
+    head.update(repr(req.tools).encode())
+    return PromptSummary(
+        stored,
+        tuple(message_starts),
+        tuple(message_index),
+        tuple(_digest(m) for m in messages),
+        head.digest(),
+        ends,
+    )
+
+
+def _digest(message: Message) -> bytes:
+    return hashlib.blake2b(repr(message).encode(), digest_size=16).digest()
+
+
+def classify(
+    cur: PromptSummary,
+    prompt_len: int,
+    prev: PromptSummary | None,
+    report: LookupReport | None,
+    used_cache: bool,
+) -> Reason:
+    """The reason class of one request's hit (see the module doc)."""
+    if not used_cache or report is None:
+        return "bypass"
+    hit, last = report.restored, prompt_len - 1  # a request always prefills one token
+    if hit >= last:
+        return "hit"
+    if report.lost is not None:
+        return report.lost  # type: ignore[return-value]
+    if prev is None:
+        full = last // report.block_size * report.block_size
+        return "hit" if hit and hit >= full else "new_session"
+    reach = min(common_prefix(cur.tokens[:prompt_len], prev.tokens), last)
+    if hit < _possible(reach, prev, report):
+        return "partial"  # the cache held less than the session stored, and no record says why
+    if reach >= last or cur.message_at(reach) >= len(prev.messages):
+        return "hit" if hit else "partial"  # every earlier message rendered as before
+    if cur.head != prev.head:
+        return "system_or_tools_changed"
+    if cur.messages[: len(prev.messages)] == prev.messages:
+        return "template_changed"  # the same text, other tokens
+    return "history_edited"
+
+
+def _possible(reach: int, prev: PromptSummary, report: LookupReport) -> int:
+    """The deepest position up to `reach` the previous request left something to resume at:
+    the end of its prompt or generation (checkpoints), a block boundary for paged models,
+    a message start for snapshot models (checkpointed as prefill passes it)."""
+    points = [p for p in prev.ends if p <= reach]
+    if report.snapshots:
+        points += [p for p in prev.message_starts if p <= reach]
+    else:
+        points.append(reach // report.block_size * report.block_size)
+    return max(points, default=0)
+
+
+class HitRatioAlert:
+    """Hit ratio (cached / prompt tokens) of the last `window` cacheable requests below a
+    threshold; logs once when it starts and once when it clears. Threshold 0: off."""
+
+    def __init__(self, threshold: float, window: int = ALERT_WINDOW):
+        self.threshold = threshold
+        self.window: deque[tuple[int, int]] = deque(maxlen=window)
+        self.active = False
+
+    @property
+    def hit_ratio(self) -> float:
+        prompt = sum(p for p, _ in self.window)
+        return sum(h for _, h in self.window) / prompt if prompt else 0.0
+
+    def add(self, prompt_tokens: int, hit_tokens: int) -> None:
+        if self.threshold <= 0:
+            return
+        self.window.append((prompt_tokens, hit_tokens))
+        low = len(self.window) == self.window.maxlen and self.hit_ratio < self.threshold
+        if low and not self.active:
+            log.warning("%s", self._message())
+        elif self.active and not low:
+            log.info(
+                "prompt cache hit ratio of the last %d requests is back to %.0f%%",
+                len(self.window),
+                self.hit_ratio * 100,
+            )
+        self.active = low
+
+    def _message(self) -> str:
+        return (
+            f"prompt cache hit ratio of the last {len(self.window)} requests is "
+            f"{self.hit_ratio:.0%}, below {self.threshold:.0%}: GET /v1/cache/requests says "
+            "why they missed"
+        )
+
+    def state(self) -> dict | None:
+        if not self.active:
+            return None
+        return {
+            "message": self._message(),
+            "hit_ratio": round(self.hit_ratio, 4),
+            "threshold": self.threshold,
+            "window": len(self.window),
+        }
+
+
+class RequestLog:
+    """The last `MAX_RECORDS` requests; filled on the MLX thread, read on the event loop."""
+
+    def __init__(self, alert_hit_ratio: float = 0.5):
+        self._records: deque[RequestRecord] = deque(maxlen=MAX_RECORDS)
+        self._sessions: OrderedDict[tuple[str, str, str], PromptSummary] = OrderedDict()
+        self._lock = threading.Lock()
+        self.alert = HitRatioAlert(alert_hit_ratio)
+        # Requests by (model, reason) since start: what /metrics counts misses by.
+        self._reasons: Counter[tuple[str, Reason]] = Counter()
+
+    def on_done(self, seq: Seq, result: GenerationResult) -> None:
+        """Record a finished sequence (the runner's `on_done`)."""
+        job = seq.job
+        req, prompt = job.request, job.prompt
+        report: LookupReport | None = getattr(seq.session, "lookup", None)
+        cur = summarize(req, prompt.tokens, seq.out, prompt.message_starts, prompt.message_index)
+        key = (req.tenant, req.model, req.session or _conversation(req))
+        with self._lock:
+            prev = self._sessions.get(key)
+            if result.used_cache:
+                self._sessions[key] = cur
+                self._sessions.move_to_end(key)
+                while len(self._sessions) > MAX_SESSIONS:
+                    self._sessions.popitem(last=False)
+            if req.prefill_only:
+                return  # a warm-up: the session knows its prompt now; it is not a request
+            reason = classify(cur, len(prompt.tokens), prev, report, result.used_cache)
+            self._reasons[req.model, reason] += 1
+            self._records.append(
+                RequestRecord(
+                    id=req.request_id,
+                    time=time.time() - (time.perf_counter() - seq.start),
+                    model=req.model,
+                    tenant=req.tenant,
+                    session=req.session,
+                    prompt_tokens=result.prompt_tokens,
+                    hit_tokens=result.cached_tokens,
+                    source=result.source,
+                    ttft_s=round(result.ttft_s, 4),
+                    prefill_tok_s=_round(getattr(result, "prefill_tok_s", None)),
+                    diverged_at=report.diverged_at if report else None,
+                    diverged_message=report.message if report else None,
+                    before=report.before if report else "",
+                    after=report.after if report else "",
+                    reason=reason,
+                )
+            )
+            if result.used_cache:
+                self.alert.add(result.prompt_tokens, result.cached_tokens)
+
+    def recent(self, limit: int, tenant: str | None = None) -> list[RequestRecord]:
+        """Newest first; only `tenant`'s when given."""
+        with self._lock:
+            records = list(self._records)
+        out = []
+        for r in reversed(records):
+            if tenant is None or r.tenant == tenant:
+                out.append(r)
+                if len(out) == limit:
+                    break
+        return out
+
+    def reason_totals(self) -> dict[tuple[str, Reason], int]:
+        with self._lock:
+            return dict(self._reasons)
+
+    def alert_state(self) -> dict | None:
+        with self._lock:
+            return self.alert.state()
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def _conversation(req: GenerationRequest) -> str:
+    """A session for requests that name none: their first user message (as proxy/ does)."""
+    for m in req.messages or ():
+        if m.role == "user":
+            return "h-" + hashlib.sha256(m.content.encode()).hexdigest()[:16]
+    return "r-" + req.request_id

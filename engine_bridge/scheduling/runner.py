@@ -1,0 +1,620 @@
+"""One model's requests under the scheduler (`scheduler.py` runs the step loop).
+
+Metal takes command buffers from one thread, so all MLX work (loading, prefill, decode)
+runs on the scheduler's thread. Each step, for each model with work, its `Runner`:
+
+1. **Admit** waiting requests while the model's batch has room and the live K/V fits the
+   memory budget, taking sessions in turn (round-robin), so one client's flood does not
+   starve another. Admission looks the prompt up in the prefix cache and restores it.
+2. **Prefill** up to `prefill_chunk` prompt tokens: prompts that finish within a chunk
+   first, so a short request that arrives during a long cold prefill starts decoding within
+   about one chunk; longer ones in the order they were admitted, so none starves. A
+   sequence prefills alone in an ordinary cache list, in chunks that end on a fixed grid
+   and on the cache's save points, and saves exactly as a lone request would.
+3. **Decode** one token for every running sequence as one batched forward pass
+   (`kv.Batch`); each row samples with its own parameters (`sampling.RowSampler`). A
+   finished or cancelled sequence is extracted for its end-of-generation save and leaves
+   the batch in the same step.
+
+The event loop only waits on an asyncio queue per request, fed from this thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from .. import kv
+from ..cache.kinds import SavePoint
+from ..logctx import request_id
+from ..models.loading import LoadedModel
+from ..types import GenerationRequest, GenerationResult, PromptInfo
+from .fair_queue import FairQueue
+from .jobs import CacheSession, Event, Failed, Job, Pending
+from .sampling import greedy_tokens, sample_rows
+from .sequence import Seq
+from .speculation.control import Mode, Speculation
+from .speculation.mtp import MTPDrafter
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+log = logging.getLogger("engine_bridge.scheduling.runner")
+
+# A request waits for a sequence in prefill that will compute at least this many more
+# tokens of its prompt (one cache block), rather than compute them a second time.
+SHARED_PREFIX_MIN = 64
+
+__all__ = ["CacheSession", "Event", "Job", "Runner", "common_prefix"]
+
+
+# --- one model ------------------------------------------------------------------------------
+
+
+class Runner:
+    """One model's requests: a fair wait queue, sequences in prefill, and a decode batch."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        scheduler: Scheduler,
+        session_factory: Callable[[Job], CacheSession | None] | None = None,
+        on_result: Callable[[GenerationRequest, GenerationResult], None] | None = None,
+        on_done: Callable[[Seq, GenerationResult], None] | None = None,
+    ):
+        self.loaded = loaded
+        self.scheduler = scheduler
+        self._session_factory = session_factory
+        self._on_result = on_result
+        # Told every finished sequence (the request log: why a request missed).
+        self._on_done = on_done
+        blocker = kv.batch_blocker(make_prompt_cache(loaded.model))
+        if blocker is not None:
+            log.warning("%s decodes one sequence at a time: %s", loaded.id, blocker)
+        self.max_batch = 1 if blocker else scheduler.settings.max_batch
+        if scheduler.settings.speculation.mode == Mode.MTP and loaded.mtp is None:
+            log.warning("%s has no MTP head (no mtp.* weights beside it): [engine] "
+                        "speculative = 'mtp' decodes it plainly; the README's recipe puts "
+                        "Qwen3.6's head back", loaded.id)  # fmt: skip
+        self.batch = kv.Batch(batched=blocker is None)
+        # Waiting requests: tenants take turns, and each tenant's sessions take turns.
+        self._waiting: FairQueue[Pending] = FairQueue()
+        self.prefilling: list[Seq] = []
+        self.running: list[Seq] = []  # row i of the batch
+        self._inflight: mx.array | None = None  # the decode step computing now
+        # Live K/V bytes per token, learned from finished prefills (admission estimates).
+        self.bytes_per_token = 0.0
+        self.last_used = time.monotonic()
+        self.active_jobs = 0  # submitted and not yet finished (the idle janitor's test)
+        # Those jobs by id: a session delete waits for its session's to end.
+        self.live_jobs: dict[int, Job] = {}
+
+    # -- the event-loop side ---------------------------------------------------------------
+
+    async def run(self, job: Job) -> AsyncIterator[Event]:
+        """Queue the job and yield its events as the scheduler produces them."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event | Failed | None] = asyncio.Queue()
+        done = loop.create_future()
+
+        def deliver(event: Event | Failed | None) -> None:
+            queue.put_nowait(event)
+            if event is None and not done.done():
+                done.set_result(None)
+
+        def emit(event: Event | Failed | None) -> None:
+            self.scheduler.post(loop, deliver, event)
+
+        self.scheduler.submit(self, Pending(job, emit))  # may raise EngineError (429)
+        self.active_jobs += 1
+        self.live_jobs[id(job)] = job
+        try:
+            while True:
+                event = await queue.get()
+                if event is None:
+                    break
+                if isinstance(event, Failed):
+                    raise event.error
+                yield event
+        finally:
+            # A consumer that stops early (client gone) frees its slot within one step.
+            job.cancel.set()
+            self.scheduler.wake()
+            try:
+                await asyncio.shield(done)
+            finally:
+                self.active_jobs -= 1
+                self.live_jobs.pop(id(job), None)
+                self.last_used = time.monotonic()
+
+    # -- the MLX-thread side ---------------------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        return self.loaded.id
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
+    def enqueue(self, pending: Pending) -> None:
+        req = pending.job.request
+        self._waiting.push(req.tenant, _lane(req), pending)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.n_waiting or self.prefilling or self.running)
+
+    @property
+    def active(self) -> int:
+        return len(self.prefilling) + len(self.running)
+
+    def live_bytes(self) -> int:
+        heads = sum(s.mtp.nbytes for s in (*self.prefilling, *self.running) if s.mtp is not None)
+        return self.batch.nbytes + sum(kv.live_nbytes(s.cache) for s in self.prefilling) + heads
+
+    def step(self) -> bool:
+        """One scheduling step for this model; True when it did any work."""
+        flush = self.scheduler.flush
+        worked = self._reap_cancelled()
+        worked |= self._admit()
+        flush()  # what admission learned (the cache hit) goes out before the prefill
+        worked |= self._prefill(self.scheduler.settings.prefill_chunk)
+        worked |= self._decode()
+        flush()
+        return worked
+
+    def cancel_all(self) -> None:
+        for p in self._waiting:
+            p.job.cancel.set()
+        for s in (*self.prefilling, *self.running):
+            s.job.cancel.set()
+
+    def fail_all(self, error: BaseException) -> int:
+        """End every request of this model, waiting or admitted, with `error` (the
+        scheduler's answer to a step that raised); returns how many."""
+        waiting = self._waiting.remove_if(lambda p: True)
+        admitted, self.prefilling = [*self.prefilling, *self.running], []
+        self.running, self._inflight = [], None
+        self.batch = kv.Batch(batched=self.batch.batched)
+        for p in waiting:
+            p.emit(Failed(error))
+            p.emit(None)
+        for seq in admitted:
+            seq.cache = []
+            seq.emit(Failed(error))
+            seq.emit(None)
+        return len(waiting) + len(admitted)
+
+    def _reap_cancelled(self) -> bool:
+        worked = False
+        for p in self._waiting.remove_if(lambda p: p.job.cancel.is_set()):
+            p.emit(None)
+            worked = True
+        for s in [s for s in self.prefilling if s.job.cancel.is_set()]:
+            self.prefilling.remove(s)
+            self._close(s, save=False)
+            worked = True
+        if any(s.job.cancel.is_set() for s in self.running):
+            self._settle()
+            rows = [i for i, s in enumerate(self.running) if s.job.cancel.is_set()]
+            if rows:
+                self._retire(rows)
+            worked = True
+        return worked
+
+    def _admit(self) -> bool:
+        worked = False
+        while self.n_waiting and self.active < self.max_batch:
+            pending = self._waiting.pop_first(lambda p: not self._shares_inflight_prefix(p.job))
+            if pending is None:
+                break  # every session's next request waits for a prefix being computed
+            job = pending.job
+            estimate = self.bytes_per_token * (len(job.prompt.tokens) + job.max_tokens)
+            if not self.scheduler.kv_room(int(estimate), idle=self.active == 0):
+                self.scheduler.stats.admission_waits += 1
+                self._waiting.push_front(job.request.tenant, _lane(job.request), pending)
+                break
+            self._start(pending)
+            worked = True
+        return worked
+
+    def _shares_inflight_prefix(self, job: Job) -> bool:
+        """Whether a sequence in prefill is computing a prefix of this prompt right now.
+
+        Four agent sessions that start together share a 30k-token system prompt: admitted
+        at once, each would compute it alone. Held back until the first has passed the
+        shared part, the others restore it from the cache instead.
+        """
+        if not (job.request.use_cache and self._session_factory is not None):
+            return False
+        for seq in self.prefilling:
+            if seq.session is None or seq.job.request.tenant != job.request.tenant:
+                continue
+            if common_prefix(job.prompt.tokens, seq.tokens) - seq.position >= SHARED_PREFIX_MIN:
+                return True
+        return False
+
+    def _start(self, pending: Pending) -> None:
+        job = pending.job
+        req = job.request
+        request_id.set(req.request_id or "-")
+        seq = Seq(pending, None, self.loaded.tokenizer)
+        try:
+            if self._session_factory is not None and req.use_cache:
+                seq.session = self._session_factory(job)
+            if seq.session is not None:
+                t0 = time.perf_counter()
+                seq.cache, seq.position, seq.source = seq.session.restore()
+                seq.restore_s = time.perf_counter() - t0
+            else:
+                seq.cache = make_prompt_cache(self.loaded.model)
+            seq.cached = seq.position
+            seq.stops = deque(self._prefill_stops(seq))
+            seq.spec = self._speculation(job) if kv.can_rewind(seq.cache) else None
+            drafter = seq.spec.drafter if seq.spec is not None else None
+            seq.mtp = drafter if isinstance(drafter, MTPDrafter) else None
+        except BaseException as e:  # surfaced on the event loop, not lost in the thread
+            log.exception("[%s] restore failed", req.request_id)
+            pending.emit(Failed(e))
+            pending.emit(None)
+            return
+        report = getattr(seq.session, "lookup", None)  # a LookupReport, when cached
+        diverged = report.diverged_at if report is not None else None
+        seq.emit(PromptInfo(len(seq.tokens), seq.cached, seq.source, diverged))
+        self.prefilling.append(seq)
+        log.info(
+            "admitted after %.2fs: %d prompt tokens, %d from %s; %d decoding, %d prefilling, "
+            "%d waiting",
+            time.perf_counter() - seq.start,
+            len(seq.tokens),
+            seq.cached,
+            seq.source,
+            len(self.running),
+            len(self.prefilling),
+            self.n_waiting,
+        )
+        if not seq.stops:
+            self._end_prefill(seq)
+
+    def _speculation(self, job: Job) -> Speculation | None:
+        """The sequence's drafter, when it speculates: a text model, not turned off."""
+        settings = self.scheduler.settings.speculation
+        if not job.request.speculative or job.request.prefill_only or self.loaded.vision:
+            return None
+        drafter = settings.new_drafter(job.prompt.tokens, self.loaded)
+        return Speculation(drafter, settings) if drafter is not None else None
+
+    def _prefill_stops(self, seq: Seq) -> list[int]:
+        """Chunk ends for prefilling all but the last prompt token (whose logits the first
+        decode step computes): multiples of the chunk size plus the cache's save points."""
+        start, end = seq.position, len(seq.tokens) - 1
+        chunk = self.scheduler.settings.prefill_chunk
+        stops = set(range((start // chunk + 1) * chunk, end, chunk))
+        if seq.session is not None:
+            stops.update(p for p in seq.session.stop_points() if start < p < end)
+        if end > start:
+            stops.add(end)
+        return sorted(stops)
+
+    def _prefill(self, budget: int) -> bool:
+        spent = 0
+        model = self.loaded.model
+        while self.prefilling and spent < budget:
+            # A prompt that finishes within one chunk goes first (a short request starts
+            # decoding at once); longer ones take chunks in the order they were admitted,
+            # so a steady stream of shorter prompts cannot starve the oldest long one.
+            seq = min(self.prefilling, key=lambda s: (s.remaining > budget, s.admitted))
+            request_id.set(seq.job.request.request_id or "-")
+            end = seq.stops.popleft()
+            t0 = time.perf_counter()
+            try:
+                head = seq.mtp
+                if seq.job.prompt.vision is not None:
+                    # The model sees real ids and image features, the cache keyed ids.
+                    model.prefill(seq.job.prompt.vision, seq.position, end, seq.cache)
+                elif head is None:
+                    model(mx.array(seq.tokens[seq.position : end])[None], cache=seq.cache)
+                else:
+                    # Prime the head along the prompt: each position's hidden state with
+                    # the token after it (the chunk ends before the last prompt token).
+                    hidden = head.backbone(mx.array(seq.tokens[seq.position : end])[None],
+                                           seq.cache)  # fmt: skip
+                    head.feed(hidden, seq.tokens[seq.position + 1 : end + 1], at=seq.position)
+                mx.eval([c.state for c in seq.cache], head.state if head is not None else [])
+                dt = time.perf_counter() - t0
+                self.scheduler.stats.prefill_s += dt
+                self.scheduler.stats.prefill_tokens += end - seq.position
+                seq.prefill_s += dt
+                seq.prefilled += end - seq.position
+                spent += end - seq.position
+                seq.position = end
+                if seq.session is not None:
+                    seq.session.save(seq.cache, seq.tokens, end, SavePoint.PREFILL)
+            except BaseException as e:
+                self.prefilling.remove(seq)
+                self._fail(seq, e)
+                continue
+            if not seq.stops:
+                self._end_prefill(seq)
+        return spent > 0
+
+    def _end_prefill(self, seq: Seq) -> None:
+        self.prefilling.remove(seq)
+        if seq.job.cancel.is_set():
+            self._close(seq, save=False)
+            return
+        try:
+            if seq.session is not None:
+                seq.session.save(seq.cache, seq.tokens, seq.position, SavePoint.PROMPT_END)
+            if seq.job.request.prefill_only:  # a warm-up: stored, and nothing to generate
+                seq.finish = "length"
+                self._close(seq, save=False)
+                return
+            if seq.position:
+                self.bytes_per_token = max(
+                    self.bytes_per_token, kv.live_nbytes(seq.cache) / seq.position
+                )
+            self._settle()
+            self.batch.join(seq.cache)
+        except BaseException as e:
+            self._fail(seq, e)
+            return
+        seq.cache = []  # the batch holds it now
+        self.running.append(seq)
+
+    def _decode(self) -> bool:
+        """Take one decode step's tokens, and leave the next step computing.
+
+        The next step is launched as soon as this one's tokens are known (`mx.async_eval`),
+        so the model computes while this thread hands out events, admits and prefills.
+        Anything that changes the batch first `_settle`s the step in flight.
+        """
+        if not self.running:
+            return False
+        if len(self.running) == 1 and self.running[0].spec is not None:
+            return self._decode_speculating(self.running[0])
+        if len(self.running) > 1 and any(s.spec is not None for s in self.running):
+            # Rows would accept different lengths: one token each this step instead.
+            self.scheduler.stats.spec_paused_steps += 1
+        if self._inflight is None:
+            self._launch()
+        self._collect()
+        if self.running:
+            self._launch()
+        return True
+
+    def _decode_speculating(self, seq: Seq) -> bool:
+        """The lone running sequence: verify a draft when its drafter has one, else decode
+        one token, leaving that step in flight as `_decode` does."""
+        if self._inflight is not None:
+            self._collect()
+            if not self.running:
+                return True
+        drafts = seq.spec.draft(seq.out, seq.job.max_tokens - len(seq.out) - 1)
+        if drafts:
+            self._verify(seq, drafts)
+        else:
+            self._launch()
+        return True
+
+    def _verify(self, seq: Seq, drafts: list[int]) -> None:
+        """Feed the next input and the drafts in one pass; keep the longest prefix the model
+        agrees with and the model's own token after it; go back to exactly that state.
+
+        Each position's token is chosen as plain decode would choose it: greedy takes the
+        argmax; sampling keeps a draft by the acceptance rule (speculation/acceptance.py);
+        penalties and output rules see the tokens accepted before that position. So the
+        stream that stop strings, max_tokens and the parsers see is what plain decode makes.
+        """
+        stats = self.scheduler.stats
+        t0 = time.perf_counter()
+        cache = self.batch.cache
+        inputs = [seq.next_input, *drafts]
+        at = seq.fed  # where inputs[0] goes
+        sampler = seq.sampler
+        head = seq.mtp
+        try:
+            rewind = kv.Rewind(cache)
+            if head is None:
+                logits = self.loaded.model(mx.array(inputs)[None], cache=cache)[0]
+            else:
+                logits, hidden = head.forward(mx.array(inputs)[None], cache)
+                logits = logits[0]
+            plain = sampler.greedy and not sampler.processors and sampler.rule is None
+            targets = greedy_tokens(logits).tolist() if plain else None
+            if targets is None:
+                mx.eval(logits)
+            committed = accepted = 0
+            finished = False
+            for i in range(len(inputs)):
+                draft = drafts[i] if i < len(drafts) else None
+                if targets is not None:
+                    tok, kept = targets[i], targets[i] == draft
+                else:
+                    tok, kept = sampler.pick(logits[i : i + 1], seq.history, draft)
+                committed += 1
+                accepted += kept
+                request_id.set(seq.job.request.request_id or "-")
+                if seq.accept(tok):
+                    finished = True
+                    break
+                if not kept:
+                    break
+            if rewind.to(fed=len(inputs), keep=committed):
+                self.loaded.model(mx.array(inputs[:committed])[None], cache=cache)
+                stats.spec_replays += 1
+            if head is not None and not finished:
+                # The head learns the accepted positions only: each one's hidden state from
+                # this pass (causal: what followed it does not change it) and its token.
+                head.feed(hidden[:, :committed], seq.out[-committed:], at=at)
+            mx.eval([c.state for c in cache], head.state if head is not None else [])
+        except BaseException as e:
+            self._fail_running(e)
+            return
+        seq.spec.update(len(drafts), accepted)
+        stats.decode_s += time.perf_counter() - t0
+        stats.decode_steps += 1
+        stats.decode_rows += 1
+        stats.decode_tokens += committed
+        stats.spec_rounds += 1
+        stats.spec_drafted += len(drafts)
+        stats.spec_accepted += accepted
+        stats.largest_batch = max(stats.largest_batch, 1)
+        if finished:
+            self._retire([0])
+
+    def _launch(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            inputs = mx.array([[s.next_input] for s in self.running])
+            # A lone sequence drafting with an MTP head feeds it this step's hidden state
+            # and token; in a batched step its head falls out of step and starts over.
+            lone = self.running[0] if len(self.running) == 1 else None
+            head = lone.mtp if lone is not None else None
+            if head is None:
+                # A vision model's rows shift their positions by their prompt's image layout.
+                extra = {} if self.loaded.vision is None else {"rope_deltas": self._rope_deltas()}
+                logits = self.loaded.model(inputs, cache=self.batch.cache, **extra)[:, -1, :]
+                for s in self.running:
+                    if s.mtp is not None:
+                        s.mtp.lose_step()
+            else:
+                logits, hidden = head.forward(inputs, self.batch.cache)
+                logits = logits[:, -1, :]
+            toks = sample_rows(
+                logits, [s.sampler for s in self.running], [s.history for s in self.running]
+            )
+            if head is None:
+                mx.async_eval(toks)
+            else:
+                head.feed(hidden, toks, at=lone.fed)
+                mx.async_eval(toks, head.state)
+        except BaseException as e:
+            self._fail_running(e)
+            return
+        self._inflight = toks
+        self.scheduler.stats.decode_s += time.perf_counter() - t0
+
+    def _rope_deltas(self) -> list[int]:
+        return [s.job.prompt.vision.rope_delta if s.job.prompt.vision else 0 for s in self.running]
+
+    def _collect(self) -> None:
+        """Wait for the step in flight, hand out its tokens, retire finished rows."""
+        toks, self._inflight = self._inflight, None
+        if toks is None:
+            return
+        stats = self.scheduler.stats
+        t0 = time.perf_counter()
+        try:
+            values = toks.tolist()
+        except BaseException as e:
+            self._fail_running(e)
+            return
+        stats.decode_s += time.perf_counter() - t0
+        stats.decode_steps += 1
+        stats.decode_tokens += len(self.running)
+        stats.decode_rows += len(self.running)
+        stats.largest_batch = max(stats.largest_batch, len(self.running))
+        finished = []
+        for row, (seq, tok) in enumerate(zip(self.running, values, strict=True)):
+            request_id.set(seq.job.request.request_id or "-")
+            if seq.accept(tok):
+                finished.append(row)
+        if finished:
+            self._retire(finished)
+
+    def _settle(self) -> None:
+        """Finish the step in flight before the batch changes (a join, a cancel)."""
+        if self._inflight is not None:
+            self._collect()
+
+    def _fail_running(self, error: BaseException) -> None:
+        failed, self.running = self.running, []
+        self._inflight = None
+        self.batch = kv.Batch(batched=self.batch.batched)
+        for s in failed:
+            self._fail(s, error)
+
+    def _retire(self, rows: list[int]) -> None:
+        """Take the sequences in batch rows `rows` out of the batch, then save and close them."""
+        leaving = [self.running[row] for row in rows]
+        for row, seq in zip(rows, leaving, strict=True):
+            try:
+                if seq.session is not None and seq.out:
+                    seq.cache = self.batch.extract(row)
+            except BaseException:
+                log.exception(
+                    "[%s] extracting the finished cache failed", seq.job.request.request_id
+                )
+                seq.cache = []
+        gone = set(rows)
+        self.running = [s for i, s in enumerate(self.running) if i not in gone]
+        self.batch.keep([i for i in range(self.batch.size) if i not in gone])
+        for seq in leaving:
+            request_id.set(seq.job.request.request_id or "-")
+            self._close(seq, save=bool(seq.cache))
+
+    def _close(self, seq: Seq, save: bool) -> None:
+        """Finish a sequence: text tail, the end-of-generation save, the result, the end."""
+        if seq.finish is None:
+            seq.finish = "cancelled"
+        try:
+            seq.flush_text()
+            if save and seq.session is not None and seq.out:
+                # The cache holds the prompt plus every generated token but the last, which
+                # was sampled and never fed back.
+                n = len(seq.tokens) + len(seq.out) - 1
+                seq.session.save(seq.cache, seq.tokens + seq.out, n, SavePoint.GENERATION_END)
+        except BaseException:
+            log.exception("[%s] end-of-generation save failed", seq.job.request.request_id)
+        seq.cache = []
+        result = seq.result(
+            used_cache=seq.job.request.use_cache and self._session_factory is not None
+        )
+        if self._on_result is not None and not seq.job.request.prefill_only:
+            # Recorded here, not by the consumer, which may have gone away. A warm-up is
+            # not a request: it stays out of the hit ratio.
+            self._on_result(seq.job.request, result)
+        if self._on_done is not None:
+            try:
+                self._on_done(seq, result)
+            except Exception:
+                log.exception("[%s] recording the request failed", seq.job.request.request_id)
+        seq.emit(result)
+        seq.emit(None)
+
+    def _fail(self, seq: Seq, error: BaseException) -> None:
+        log.exception("[%s] generation failed", seq.job.request.request_id, exc_info=error)
+        seq.cache = []
+        seq.emit(Failed(error))
+        seq.emit(None)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix, comparing slices (C speed), not elements."""
+    n = min(len(a), len(b))
+    lo = 0
+    for step in (4096, 256, 16, 1):
+        while lo + step <= n and a[lo : lo + step] == b[lo : lo + step]:
+            lo += step
+    return lo
+
+
+def _lane(req: GenerationRequest) -> str:
+    """The session a request waits in line as: the client's session id when it sends one,
+    else its conversation (the first user message), else the request itself."""
+    if req.session:
+        return "s:" + req.session
+    for m in req.messages or ():
+        if m.role == "user":
+            return "c:" + hashlib.blake2b(m.content.encode(), digest_size=8).hexdigest()
+    return "r:" + (req.request_id or str(id(req)))

@@ -1,0 +1,293 @@
+"""The MLX thread: runs submitted calls (loading, unloading) and the step loop over every
+model's `ModelQueue`, admits requests to a bounded queue, and hands events to event loops."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..types import EngineError
+from .jobs import Failed, Pending
+from .speculation.control import SpeculativeSettings
+
+
+class ModelQueue(Protocol):
+    """What the step loop asks of one model's work (runner.py's `Runner` is the one)."""
+
+    max_batch: int
+    running: list[Any]  # decoding now
+    prefilling: list[Any]
+
+    @property
+    def model_id(self) -> str: ...
+    @property
+    def n_waiting(self) -> int: ...
+    @property
+    def active(self) -> int: ...
+    @property
+    def has_work(self) -> bool: ...
+    def live_bytes(self) -> int: ...
+    def enqueue(self, pending: Pending) -> None: ...
+    def step(self) -> bool: ...
+    def fail_all(self, error: BaseException) -> int: ...
+
+log = logging.getLogger("engine_bridge.scheduling.scheduler")
+
+
+@dataclass(slots=True)
+class SchedulerSettings:
+    max_batch: int = 8
+    max_queue: int = 64
+    prefill_chunk: int = 512
+    # Live K/V bytes of admitted sequences, all models together; None: no limit.
+    kv_memory_bytes: int | None = None
+    speculation: SpeculativeSettings = field(default_factory=SpeculativeSettings)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """What /v1/cache/stats shows under "scheduler"."""
+
+    running: int = 0  # sequences decoding now, all models
+    prefilling: int = 0
+    waiting: int = 0  # the queue depth
+    max_batch: int = 0
+    max_queue: int = 0
+    rejected: int = 0  # answered 429
+    largest_batch: int = 0
+    decode_steps: int = 0  # model steps: one token per row, or one verify pass
+    decode_tokens: int = 0
+    decode_rows: int = 0  # sequences per step, summed (mean_batch)
+    decode_s: float = 0.0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    kv_bytes: int = 0  # live K/V of admitted sequences
+    kv_memory_bytes: int | None = None
+    admission_waits: int = 0  # steps where the memory budget held a request back
+    # Speculative decoding (runner.py `_verify`): verify passes, the draft tokens they
+    # checked and how many the model kept, passes whose rejection replayed a recurrent
+    # state (kv/rollback.py), and batched steps in which speculation paused.
+    spec_rounds: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_replays: int = 0
+    spec_paused_steps: int = 0
+
+    @property
+    def mean_batch(self) -> float:
+        return round(self.decode_rows / self.decode_steps, 2) if self.decode_steps else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return round(self.decode_tokens / self.decode_steps, 3) if self.decode_steps else 0.0
+
+    @property
+    def spec_acceptance(self) -> float:
+        return round(self.spec_accepted / self.spec_drafted, 3) if self.spec_drafted else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return round(self.decode_tokens / self.decode_s, 1) if self.decode_s else 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return round(self.prefill_tokens / self.prefill_s, 1) if self.prefill_s else 0.0
+
+
+class Scheduler:
+    """The MLX thread: runs submitted calls (loading, unloading) and the step loop."""
+
+    def __init__(self, settings: SchedulerSettings | None = None):
+        self.settings = settings or SchedulerSettings()
+        self.stats = SchedulerStats(
+            max_batch=self.settings.max_batch,
+            max_queue=self.settings.max_queue,
+            kv_memory_bytes=self.settings.kv_memory_bytes,
+        )
+        self._cond = threading.Condition()
+        self._inbox: deque[tuple[ModelQueue, Pending]] = deque()
+        self._calls: deque[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = deque()
+        self._runners: list[ModelQueue] = []
+        # Events for the event loops, handed over once per phase rather than once each.
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[Callable, Any]]] = {}
+        self._turn = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="mlx", daemon=True)
+        self._thread.start()
+
+    # -- any thread ------------------------------------------------------------------------
+
+    def submit(self, runner: ModelQueue, pending: Pending) -> None:
+        with self._cond:
+            if self._stopping:
+                raise EngineError("the server is shutting down", status=503)
+            # Requests beyond the free batch slots of their model wait; at most max_queue
+            # of them, all models together.
+            load = {r: r.n_waiting for r in self._runners}
+            for r, _ in self._inbox:
+                load[r] = load.get(r, 0) + 1
+
+            def beyond(r: ModelQueue, extra: int = 0) -> int:
+                return max(0, load.get(r, 0) + extra - max(0, r.max_batch - r.active))
+
+            queued = sum(beyond(r) for r in load)
+            if beyond(runner, 1) and queued >= self.settings.max_queue:
+                self.stats.rejected += 1
+                raise EngineError(
+                    f"the server is busy: {queued} requests are waiting for a batch slot "
+                    f"(max_queue {self.settings.max_queue}); retry shortly",
+                    status=429,
+                    retry_after_s=self._retry_after(queued),
+                )
+            self._inbox.append((runner, pending))
+            self._cond.notify()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """Run `fn(*args)` on the MLX thread between steps."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping and not self._thread.is_alive():
+                raise RuntimeError("the scheduler has stopped")
+            self._calls.append((fn, args, future))
+            self._cond.notify()
+        return future
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.wrap_future(self.call(fn, *args))
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def add(self, runner: ModelQueue) -> None:
+        with self._cond:
+            self._runners.append(runner)
+
+    def remove(self, runner: ModelQueue) -> None:
+        with self._cond:
+            if runner in self._runners:
+                self._runners.remove(runner)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Cancel everything admitted or waiting, let it save, and stop the thread."""
+        with self._cond:
+            self._stopping = True
+            for r in self._runners:
+                r.cancel_all()
+            for _, p in self._inbox:
+                p.job.cancel.set()
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def post(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None], arg: Any) -> None:
+        """Queue `fn(arg)` to run on `loop` at the next `flush` (MLX thread only)."""
+        self._outbox.setdefault(loop, []).append((fn, arg))
+
+    def flush(self) -> None:
+        """Hand queued events to their loops: one wake-up per loop, not one per event."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, calls in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_call_all, calls)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                log.debug("dropped %d events for a closed event loop", len(calls))
+
+    def kv_room(self, estimate: int, idle: bool) -> bool:
+        """Whether `estimate` more bytes of live K/V fit the budget (always, for a model
+        with nothing admitted: one sequence at a time must always run)."""
+        limit = self.settings.kv_memory_bytes
+        if limit is None or idle:
+            return True
+        return self.stats.kv_bytes + estimate <= limit
+
+    def _retry_after(self, queued: int) -> float:
+        # A rough time for the queue ahead to start: 64 decoded tokens each, at the rate
+        # decode has run so far.
+        rate = self.stats.decode_tok_s or 20.0
+        return max(1.0, min(60.0, (queued + 1) * 64 / rate))
+
+    # -- the MLX thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                if not self._iterate():
+                    self.flush()
+                    return
+            except BaseException:  # the thread must outlive any one bug: log and go on
+                log.exception("scheduler loop failed")
+                time.sleep(0.05)
+
+    def _iterate(self) -> bool:
+        """One pass of the loop; False once stopping with nothing left to do."""
+        if True:
+            with self._cond:
+                while not (self._calls or self._inbox or self._has_work() or self._stopping):
+                    self._cond.wait()
+                calls, self._calls = self._calls, deque()
+                inbox, self._inbox = self._inbox, deque()
+                runners = list(self._runners)
+                if self._stopping and not calls and not inbox and not self._has_work():
+                    return False
+            for fn, args, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args))
+                    except BaseException as e:
+                        future.set_exception(e)
+            for runner, pending in inbox:
+                if self._stopping:
+                    pending.job.cancel.set()
+                try:
+                    runner.enqueue(pending)
+                except BaseException as e:  # lost here, its client would wait forever
+                    log.exception("queueing a request failed")
+                    pending.emit(Failed(e))
+                    pending.emit(None)
+            self.flush()
+            worked = False
+            # Models take turns starting the step, so none always goes first.
+            self._turn = (self._turn + 1) % max(1, len(runners))
+            for runner in runners[self._turn :] + runners[: self._turn]:
+                if runner.has_work:
+                    worked |= self._step(runner)
+            self._update_counts(runners)
+            if not worked and any(r.has_work for r in runners):
+                # Held back (memory) with nothing to do: wait for a finish or a cancel.
+                with self._cond:
+                    self._cond.wait(0.05)
+        return True
+
+    def _step(self, runner: ModelQueue) -> bool:
+        """One step of `runner`. A step that raises past the runner's own handlers (which
+        fail one sequence) would raise again on every retry while its requests hang, so
+        that model's requests end with the error, and other models' go on."""
+        try:
+            return runner.step()
+        except BaseException as e:
+            n = runner.fail_all(e)
+            log.exception("%s: scheduler step failed; ended its %d requests", runner.model_id, n)
+            self.flush()
+            return True
+
+    def _has_work(self) -> bool:
+        return any(r.has_work for r in self._runners)
+
+    def _update_counts(self, runners: list[ModelQueue]) -> None:
+        s = self.stats
+        s.running = sum(len(r.running) for r in runners)
+        s.prefilling = sum(len(r.prefilling) for r in runners)
+        s.waiting = sum(r.n_waiting for r in runners)
+        s.kv_bytes = sum(r.live_bytes() for r in runners)
+
+
+def _call_all(calls: list[tuple[Callable[[Any], None], Any]]) -> None:
+    for fn, arg in calls:
+        fn(arg)

@@ -1,0 +1,367 @@
+"""Prometheus `GET /metrics`, built with prometheus-client on a registry of the app's own.
+
+Two sources, so nothing is counted twice:
+
+- per request, as the engine finishes it (`Engine.result_listeners`): counters and
+  histograms labelled by model, tenant and cache source;
+- at scrape time, `EngineCollector` reads `Engine.stats()` and the session registry: the
+  tiers' totals (evictions, SSD bytes written and read, drops, quarantine) and levels
+  (bytes, entries, budgets, sessions, the scheduler's queue).
+
+Label values are bounded: a model is one this process serves, a tenant one of the first
+`MAX_TENANT_LABELS` seen (tenants named in [tenants] api_keys always have their own), and
+the rest are "other". Histograms carry no tenant label: each tenant would cost a dozen
+series per model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine_bridge.engine import Engine
+from engine_bridge.types import GenerationRequest, GenerationResult
+
+from ..security import PASSTHROUGH_ROUTE, POLICY, api_key
+from ..state import ENGINE, SETTINGS
+from .metrics_shared import shared_metrics
+
+PREFIX = "mlx_prompt_cache"
+MAX_TENANT_LABELS = 32
+MAX_LABEL_CHARS = 64
+OTHER = "other"
+# A session counts as active this long after its last request.
+SESSION_WINDOW_S = 3600.0
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+PREFILL_BUCKETS = (25, 50, 100, 250, 500, 1000, 2000, 4000, 8000, 16000, 32000)
+RESTORE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class TenantLabels:
+    """Maps tenants to at most `cap` label values (first come), plus "other"."""
+
+    def __init__(self, cap: int, always: Iterable[str] = ()):
+        self.cap = cap
+        # Tenants named in [tenants] api_keys are bounded by the config: never "other".
+        self._known = {t for t in always if len(t) <= MAX_LABEL_CHARS}
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self._known or tenant in self._seen:
+            return tenant
+        if tenant == OTHER or len(tenant) > MAX_LABEL_CHARS:
+            return OTHER
+        with self._lock:
+            if len(self._seen) < self.cap:
+                self._seen.add(tenant)
+                return tenant
+        return OTHER
+
+
+class RequestMetrics:
+    """What each finished request adds; called on the MLX thread (the instruments lock)."""
+
+    def __init__(self, registry: CollectorRegistry, engine: Engine, tenants: TenantLabels):
+        self.engine = engine
+        self.tenants = tenants
+        by = ("model", "tenant", "source")
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = by) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str, labels: tuple[str, ...], buckets) -> Histogram:
+            return Histogram(f"{PREFIX}_{name}", doc, labels, buckets=buckets, registry=registry)
+
+        self.requests = counter(
+            "requests", "Generations finished, by cache source (bypass: the cache was not used)"
+        )
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished generations")
+        self.cached_tokens = counter(
+            "cached_tokens", "Prompt tokens restored from the cache instead of computed"
+        )
+        self.completion_tokens = counter(
+            "completion_tokens", "Tokens generated", ("model", "tenant")
+        )
+        self.ttft = histogram(
+            "ttft_seconds",
+            "Time to first token, from queueing to the first sampled token",
+            ("model", "source"),
+            TTFT_BUCKETS,
+        )
+        self.prefill = histogram(
+            "prefill_tokens_per_second",
+            "Prefill speed of one request over the prompt tokens it computed",
+            ("model",),
+            PREFILL_BUCKETS,
+        )
+        self.restore = histogram(
+            "restore_seconds",
+            "Cache lookup, SSD promotion and restore of the cached prefix, per hit",
+            ("model", "source"),
+            RESTORE_BUCKETS,
+        )
+
+    def observe(self, req: GenerationRequest, r: GenerationResult) -> None:
+        model = req.model if self.engine.has_model(req.model) else OTHER
+        tenant = self.tenants(req.tenant)
+        source = r.source if r.used_cache else "bypass"
+        self.requests.labels(model, tenant, source).inc()
+        self.prompt_tokens.labels(model, tenant, source).inc(r.prompt_tokens)
+        self.cached_tokens.labels(model, tenant, source).inc(r.cached_tokens)
+        self.completion_tokens.labels(model, tenant).inc(r.completion_tokens)
+        if r.completion_tokens:  # a first token was sent (not cancelled before it)
+            self.ttft.labels(model, source).observe(r.ttft_s)
+        if (tok_s := r.prefill_tok_s) is not None:
+            self.prefill.labels(model).observe(tok_s)
+        if r.used_cache and r.cached_tokens:
+            self.restore.labels(model, source).observe(r.restore_s)
+
+
+class EngineCollector(Collector):
+    """The engine's own totals and levels, read at each scrape."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats()
+        yield from request_totals(stats["requests"])
+        yield from ram_metrics(stats["ram"])
+        if stats.get("ssd") is not None:
+            yield from ssd_metrics(stats["ssd"])
+        if stats.get("shared") is not None:
+            yield from shared_metrics(stats["shared"])
+        yield from scheduler_metrics(stats["scheduler"])
+        yield reason_metric(self.engine.request_log.reason_totals(), self.engine.has_model)
+        yield gauge(
+            "hit_ratio_alert", "1 while the hit-ratio alert is on", int(bool(stats["alert"]))
+        )
+        yield from session_metrics(self.engine.sessions.registry.records(), time.time())
+
+
+def counter(name: str, doc: str, value: float) -> Metric:
+    return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+def gauge(name: str, doc: str, value: float) -> Metric:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+def by_label(family: type[Metric], name: str, doc: str, label: str, values: dict) -> Metric:
+    out = family(f"{PREFIX}_{name}", doc, labels=[label])
+    for value, n in values.items():
+        out.add_metric([value], n)
+    return out
+
+
+def request_totals(req: dict) -> Iterator[Metric]:
+    yield counter(
+        "requests_cancelled", "Generations ended by the client going away", req["cancelled"]
+    )
+
+
+def ram_metrics(ram: dict) -> Iterator[Metric]:
+    yield gauge("ram_bytes", "Bytes the RAM tier holds", ram["bytes"])
+    yield gauge("ram_budget_bytes", "The RAM tier's budget now", ram["budget_bytes"])
+    yield gauge(
+        "ram_pinned_bytes", "RAM tier bytes held by running requests and pins", ram["pinned_bytes"]
+    )
+    entries = {"block": ram["blocks"], "checkpoint": ram["checkpoints"]}
+    yield by_label(GaugeMetricFamily, "ram_entries", "Entries in the RAM tier", "kind", entries)
+    evicted = {"block": ram["evicted_blocks"], "checkpoint": ram["evicted_checkpoints"]}
+    yield by_label(
+        CounterMetricFamily, "ram_evictions", "Entries evicted from RAM", "kind", evicted
+    )
+    yield counter("ram_evicted_bytes", "Bytes evicted from the RAM tier", ram["evicted_bytes"])
+
+
+def ssd_metrics(ssd: dict) -> Iterator[Metric]:
+    yield gauge("ssd_bytes", "Bytes the SSD tier holds", ssd["bytes"])
+    yield gauge("ssd_budget_bytes", "The SSD tier's capacity limit", ssd["max_bytes"])
+    yield gauge("ssd_entries", "Entries (files) in the SSD tier", ssd["entries"])
+    yield gauge("ssd_queued_writes", "Entries waiting for the SSD writer", ssd["queued"])
+    yield gauge("ssd_disabled", "1 while SSD writes are off after a fault", int(ssd["disabled"]))
+    yield counter("ssd_written_bytes", "Bytes written to SSD files", ssd["bytes_written"])
+    yield counter("ssd_read_bytes", "Bytes read back from SSD files", ssd["bytes_read"])
+    yield counter("ssd_writes", "Entries written to SSD", ssd["writes"])
+    yield gauge(
+        "ssd_written_today_bytes", "Bytes written today (UTC day)", ssd["written_today_bytes"]
+    )
+    if ssd["max_write_per_day"] is not None:
+        yield gauge(
+            "ssd_write_cap_bytes", "[cache.ssd] max_write_per_day", ssd["max_write_per_day"]
+        )
+    yield gauge(
+        "ssd_write_capped", "1 while today's write cap stops writes", int(ssd["write_capped"])
+    )
+    doc = "Checkpoints never written: a deeper one replaced them first"
+    yield counter("ssd_superseded_skips", doc, ssd["superseded_skips"])
+    drops = {
+        "queue_full": ssd["queue_drops"],
+        "disabled": ssd["disabled_drops"],
+        "oversize": ssd["oversize_drops"],
+        "daily_cap": ssd["capped_drops"],
+    }
+    doc = "Entries not written: queue full, writes off, or larger than the tier"
+    yield by_label(CounterMetricFamily, "ssd_write_drops", doc, "reason", drops)
+    yield counter("ssd_quarantined_files", "Corrupt files moved to quarantine", ssd["quarantined"])
+    errors = {"write": ssd["write_errors"], "read": ssd["read_errors"]}
+    yield by_label(CounterMetricFamily, "ssd_errors", "SSD I/O errors", "op", errors)
+    removed = {"capacity": ssd["evictions"], "expired": ssd["expired"]}
+    yield by_label(
+        CounterMetricFamily, "ssd_evictions", "Entries removed from SSD", "reason", removed
+    )
+    reads = {"hit": ssd["hits"], "miss": ssd["misses"], "no_ram": ssd["promotion_failures"]}
+    yield by_label(CounterMetricFamily, "ssd_reads", "SSD entry reads by outcome", "result", reads)
+
+
+def scheduler_metrics(s: dict) -> Iterator[Metric]:
+    yield gauge("scheduler_running", "Sequences decoding now", s["running"])
+    yield gauge("scheduler_prefilling", "Sequences in prefill now", s["prefilling"])
+    yield gauge("scheduler_waiting", "Requests waiting for a batch slot", s["waiting"])
+    yield gauge("scheduler_kv_bytes", "Live K/V bytes of admitted sequences", s["kv_bytes"])
+    yield counter("scheduler_rejected", "Requests refused with 429 (queue full)", s["rejected"])
+    yield counter("decode_steps", "Model decode steps (one token per row, or one verify pass)",
+                  s["decode_steps"])  # fmt: skip
+    yield counter("decode_tokens", "Tokens decoded", s["decode_tokens"])
+    yield gauge("decode_tokens_per_step", "Tokens decoded per model step", s["tokens_per_step"])
+    yield counter("speculative_rounds", "Speculative verify passes", s["spec_rounds"])
+    yield counter("speculative_drafted_tokens", "Draft tokens verified", s["spec_drafted"])
+    yield counter("speculative_accepted_tokens", "Draft tokens the model kept",
+                  s["spec_accepted"])  # fmt: skip
+    yield gauge("speculative_acceptance_ratio", "Draft tokens kept / verified",
+                s["spec_acceptance"])  # fmt: skip
+    yield counter("speculative_replays", "Verify passes whose rejection replayed recurrent state",
+                  s["spec_replays"])  # fmt: skip
+    yield counter("speculative_paused_steps", "Batched steps in which speculation paused",
+                  s["spec_paused_steps"])  # fmt: skip
+
+
+def reason_metric(totals: dict[tuple[str, str], int], served) -> Metric:
+    doc = "Requests by why they hit or missed (GET /v1/cache/requests has each one's)"
+    out = CounterMetricFamily(f"{PREFIX}_request_reasons", doc, labels=["model", "reason"])
+    merged: dict[tuple[str, str], int] = {}
+    for (model, reason), n in totals.items():
+        key = (model if served(model) else OTHER, reason)
+        merged[key] = merged.get(key, 0) + n
+    for labels, n in sorted(merged.items()):
+        out.add_metric(list(labels), n)
+    return out
+
+
+def session_metrics(records: list, now: float) -> Iterator[Metric]:
+    yield gauge("sessions", "Client sessions with cached state", len(records))
+    active = sum(1 for r in records if now - r.last_used <= SESSION_WINDOW_S)
+    yield gauge("sessions_active", "Sessions used in the last hour", active)
+    yield gauge(
+        "sessions_pinned", "Sessions pinned against eviction", sum(r.pinned for r in records)
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# The app side: one registry per app (tests run several apps in a process), the error
+# middleware, the route
+
+
+class Metrics:
+    """One app's registry and the instruments on it."""
+
+    def __init__(self, engine: Engine, tenants: Iterable[str] = ()):
+        self.registry = CollectorRegistry()
+        labels = TenantLabels(MAX_TENANT_LABELS, tenants)
+        self.requests = RequestMetrics(self.registry, engine, labels)
+        self.errors = Counter(
+            f"{PREFIX}_http_errors",
+            "Answers with status 400 or more, by route (passthrough: the upstream's routes)",
+            ("status", "route"),
+            registry=self.registry,
+        )
+        self.registry.register(EngineCollector(engine))
+
+
+METRICS = web.AppKey("metrics", Metrics)
+
+
+def setup_metrics(app: web.Application) -> None:
+    """Count finished requests while the app runs (the engine may outlive the app)."""
+    engine, settings = app[ENGINE], app[SETTINGS]
+    app[METRICS] = metrics = Metrics(engine, settings.tenant_api_keys.values())
+
+    async def listen(app: web.Application):
+        engine.result_listeners.append(metrics.requests.observe)
+        yield
+        engine.result_listeners.remove(metrics.requests.observe)
+
+    app.cleanup_ctx.append(listen)
+
+
+def route_group(request: web.Request) -> str:
+    """The route's canonical path ("/v1/cache/sessions/{id}"), never the raw path."""
+    route = request.match_info.route
+    if route.resource is None:
+        return "unmatched"
+    if route.name == PASSTHROUGH_ROUTE:
+        return "passthrough"
+    return route.resource.canonical
+
+
+@web.middleware
+async def count_errors(request: web.Request, handler):
+    """Outermost middleware: sees the final status of every answer, refusals included."""
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as e:
+        status = e.status
+        raise
+    finally:
+        if status >= 400:
+            request.app[METRICS].errors.labels(str(status), route_group(request)).inc()
+
+
+async def serve(request: web.Request) -> web.Response:
+    registry = request.app[METRICS].registry
+    tenant = scrape_tenant(request)
+    if tenant is not None:
+        registry = TenantView(registry, tenant)
+    encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+    # Tens of ms with many tenants: off the event loop, which is streaming tokens. The stats
+    # it reads are as safe to read from here as from the loop (the MLX thread writes them).
+    body = await asyncio.to_thread(encode, registry)
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+def scrape_tenant(request: web.Request) -> str | None:
+    """With API keys enforced, a scrape sees the per-tenant series of its key's tenant
+    only; process-wide series (bytes, queue) it sees whole. None: it sees everything."""
+    if not request.app[POLICY].api_keys:
+        return None
+    return request.app[SETTINGS].tenant_api_keys.get(api_key(request) or "", "")
+
+
+class TenantView(Collector):
+    """A registry's families without the samples of other tenants."""
+
+    def __init__(self, source: CollectorRegistry, tenant: str):
+        self.source = source
+        self.tenant = tenant
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            kept = Metric(family.name, family.documentation, family.type, family.unit)
+            kept.samples = [
+                s for s in family.samples if s.labels.get("tenant", self.tenant) == self.tenant
+            ]
+            yield kept

@@ -1,0 +1,193 @@
+"""Typed configuration: defaults < TOML file < environment < command-line flags.
+
+Environment variables are the config key path with the prefix ``MLX_PROMPT_CACHE_``,
+upper-cased, dots turned into underscores::
+
+    server.port          -> MLX_PROMPT_CACHE_SERVER_PORT=1236
+    upstream.url         -> MLX_PROMPT_CACHE_UPSTREAM_URL=http://127.0.0.1:1234
+    models.serve         -> MLX_PROMPT_CACHE_MODELS_SERVE=demo-llama,demo-hybrid
+    engine.max_batch     -> MLX_PROMPT_CACHE_ENGINE_MAX_BATCH=4
+    cache.ram.budget     -> MLX_PROMPT_CACHE_CACHE_RAM_BUDGET=8GB
+    cache.ssd.dir        -> MLX_PROMPT_CACHE_CACHE_SSD_DIR=/Volumes/fast/cache
+    tenants.api_keys     -> MLX_PROMPT_CACHE_TENANTS_API_KEYS=sk-a=alice,sk-b=bob
+
+Booleans take 1/0, true/false, yes/no, on/off; lists are comma-separated; an optional
+value is cleared by an empty string or ``none``. ``normalization.rules`` is a list of
+tables and can only be set in the file. ``env_var_names()`` lists every variable.
+
+The sections live here; ``loader`` layers the sources, ``schema`` builds the sections
+from raw values and ``validate`` checks ranges and formats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proxy.config.shared import SharedCacheConfig
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 1235
+    max_body_bytes: int = 32 * 1024 * 1024
+    log_level: str = "info"
+    log_json: bool = False
+    # Host header values answered beyond loopback names and the bind address ("name",
+    # "name:port", "[v6]:port"); "*" answers any Host and gives up DNS-rebinding defence.
+    allowed_hosts: list[str] = field(default_factory=list)
+    # Browser origins allowed cross-origin (CORS), like "http://localhost:3000"; empty: off.
+    cors_origins: list[str] = field(default_factory=list)
+    # Listen on a non-loopback address without [tenants] api_keys (serve --insecure).
+    insecure: bool = False
+
+
+@dataclass(slots=True)
+class UpstreamConfig:
+    url: str = "http://127.0.0.1:1234"
+    enabled: bool = True
+    # Longest silence between two chunks from the upstream, not a cap on the whole
+    # response: a long generation streams for minutes and must not be cut off.
+    timeout_s: float = 600.0
+    connect_timeout_s: float = 2.0
+    # LM Studio's API token (its server's "Require authentication" setting), sent as
+    # `Authorization: Bearer` on its REST API (/api/v1, /api/v0); None: no token.
+    api_token: str | None = None
+    # Before a model loads here, LM Studio unloads its own instances of the same model, so
+    # the Mac holds one copy of the weights (proxy/upstream/one_copy.py); false leaves LM Studio be.
+    unload_duplicates: bool = True
+
+
+@dataclass(slots=True)
+class ModelsConfig:
+    # Empty means the built-in demo models, unless serve_all_mlx is set.
+    serve: list[str] = field(default_factory=list)
+    serve_all_mlx: bool = False
+    lmstudio_dirs: list[str] = field(
+        default_factory=lambda: ["~/.lmstudio/models", "~/.cache/lm-studio/models"]
+    )
+    idle_unload_s: float | None = None
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    # Sequences of one model that decode together in one step.
+    max_batch: int = 8
+    # Requests that may wait beyond a full batch; more are answered 429 with Retry-After.
+    max_queue: int = 64
+    # Prompt tokens one step prefills, so a long prompt does not stall the batch's decoding.
+    prefill_chunk: int = 512
+    # Cap on the live K/V of running sequences: "4GB", "30%" of RAM; None leaves it to
+    # the engine.
+    kv_memory: str | int | None = None
+    # Speculative decoding: "off", "prompt-lookup", "mtp" or "auto" (prompt lookup, or a
+    # model's MTP head on a GPU), and the bounds of the draft length it adapts between.
+    speculative: str = "auto"
+    speculative_min_draft: int = 1
+    speculative_max_draft: int = 8
+    # Tokens an MTP head drafts per verify pass (Qwen's head is trained for 1).
+    speculative_mtp_depth: int = 1
+    # Before each load, check weights + K/V + RAM cache budgets against free memory:
+    # unload idle models first, else refuse with a 503 instead of swapping.
+    memory_preflight: bool = True
+
+
+@dataclass(slots=True)
+class RamCacheConfig:
+    # "20%" of available RAM, or a size: "8GB", "512MiB", 8000000000.
+    budget: str | int = "20%"
+    quantize_bits: int = 0
+    checkpoint_interval: int = 1024
+    # Memory pressure: when the system's available memory falls below this ("5%" of all
+    # RAM, or a size), the RAM tier shrinks and spills to SSD; "off" turns the guard off.
+    min_available: str | int = "5%"
+
+
+@dataclass(slots=True)
+class SsdCacheConfig:
+    enabled: bool = True
+    dir: str = "~/.cache/mlx-prompt-cache"
+    max_size: str | int = "10GB"
+    # None keeps entries until capacity evicts them; else "7d", "12h", "90m" or seconds.
+    ttl: str | float | None = None
+    # When the SSD is written: "through" (as stored), "evict" (only what RAM evicts) or
+    # "second-use" (once a later request reuses it). None: "through", or write_through's.
+    write_policy: str | None = None
+    # The older switch, an alias: true is "through", false "evict"; an error if it
+    # disagrees with write_policy.
+    write_through: bool | None = None
+    queue_size: int = 256
+    # Bytes the SSD tier may write per UTC day ("20GB"); None: no cap. Reads go on.
+    max_write_per_day: str | int | None = None
+    # A checkpoint is written once it has stayed the deepest on its path this long
+    # (superseded ones never are); "60s", "5m" or seconds; 0 writes at once.
+    checkpoint_write_delay: str | float = "60s"
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir).expanduser()
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    enabled: bool = True
+    block_size: int = 64
+    # Client sessions idle this long ("12h", "90m", seconds) lose their own cached entries
+    # from RAM and SSD (what they share with others stays); None: never.
+    session_ttl: str | float | None = None
+    # RAM pinned sessions may hold against eviction: a share of the RAM budget or a size.
+    pin_max: str | int = "25%"
+    # Warn (log, dashboard, GET /v1/cache/stats) when the hit ratio of the last 20 requests
+    # that used the cache falls below this; 0 turns the alert off.
+    alert_hit_ratio: float = 0.5
+    ram: RamCacheConfig = field(default_factory=RamCacheConfig)
+    ssd: SsdCacheConfig = field(default_factory=SsdCacheConfig)
+    shared: SharedCacheConfig = field(default_factory=SharedCacheConfig)
+
+
+@dataclass(slots=True)
+class TenantsConfig:
+    header: str = "x-tenant"
+    # API key -> tenant name; a request with a known key is cached under that tenant.
+    api_keys: dict[str, str] = field(default_factory=dict)
+    default: str = "local"
+
+
+@dataclass(slots=True)
+class Rule:
+    name: str
+    pattern: str
+    replacement: str = ""
+    roles: list[str] = field(default_factory=lambda: ["system"])
+
+
+@dataclass(slots=True)
+class NormalizationConfig:
+    # Claude Code puts a per-request billing line in the system prompt; stripping it keeps
+    # the prefix (and so the cache) identical from one request to the next.
+    claude_code_billing_header: bool = True
+    rules: list[Rule] = field(default_factory=list)
+    log_divergence: bool = True
+
+
+@dataclass(slots=True)
+class VisionConfig:
+    # Images in requests (models with a vision tower, and the vision extra installed).
+    # Larger images or more of them answer 413/400 naming the image.
+    max_image_size: str | int = "20MB"
+    # Width x height, read from the header before decoding (decompression bombs).
+    max_image_pixels: int = 50_000_000
+    max_images: int = 100
+
+
+@dataclass(slots=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    tenants: TenantsConfig = field(default_factory=TenantsConfig)
+    normalization: NormalizationConfig = field(default_factory=NormalizationConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)

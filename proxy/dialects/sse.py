@@ -1,0 +1,82 @@
+"""Server-sent events over an aiohttp StreamResponse."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from ..errors import ApiError, Dialect, error_body
+
+log = logging.getLogger("proxy.dialects.sse")
+
+
+class SSEWriter:
+    def __init__(
+        self,
+        request: web.Request,
+        headers: dict[str, str] | None = None,
+        response: web.StreamResponse | None = None,
+    ):
+        """``response`` is an event stream already under way (a passthrough) to end in-band."""
+        self.request = request
+        # A StreamResponse is a mapping, so an empty one is falsy: test for None.
+        if response is not None:
+            self.response = response
+        else:
+            self.response = web.StreamResponse(
+                status=200,
+                headers={
+                    "Content-Type": "text/event-stream; charset=utf-8",
+                    "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no",
+                    **(headers or {}),
+                },
+            )
+        self.ended = False
+
+    async def prepare(self) -> None:
+        await self.response.prepare(self.request)
+        # From here on the status is sent: a failure must end this stream, not answer anew.
+        self.request[STREAM] = self
+
+    async def data(self, payload: dict[str, Any]) -> None:
+        await self.response.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+
+    async def event(self, name: str, payload: dict[str, Any]) -> None:
+        await self.response.write(
+            b"event: " + name.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+        )
+
+    async def done(self) -> None:
+        """End an OpenAI stream: its last line, then the end of the body."""
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.end()
+
+    async def end(self) -> None:
+        self.ended = True
+        await self.response.write_eof()
+
+    async def fail(self, err: ApiError, dialect: Dialect) -> None:
+        """End a started stream with the dialect's own mid-stream error.
+
+        Anthropic has an `error` event; OpenAI-compatible servers (vLLM, SGLang) send a
+        data line holding `{"error": {...}}`, which the openai SDK raises, then `[DONE]`.
+        """
+        if self.ended:
+            return
+        try:
+            if dialect == "anthropic":
+                await self.event("error", error_body(err, dialect))
+                await self.end()
+            else:
+                await self.data(error_body(err, dialect))
+                await self.done()
+        except ConnectionError as e:  # the client is gone; nobody is left to tell
+            self.ended = True
+            log.info("stream ended by the client before its error was sent: %s", e)
+
+
+STREAM = web.RequestKey("stream", SSEWriter)
