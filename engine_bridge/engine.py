@@ -32,7 +32,7 @@ from .scheduling.output_rules import call_marker_is_token, output_rule
 from .scheduling.runner import Event, Job, Runner
 from .scheduling.scheduler import Scheduler, SchedulerSettings
 from .sessions.admin import SessionAdmin
-from .sessions.catalog import SessionCache
+from .sessions.catalog import ClientSessions
 from .stream import GenerationStream
 from .types import (
     EngineError,
@@ -128,7 +128,7 @@ class Engine:
         self.tiers.call_on_mlx = self.scheduler.call
         self.memory = MemoryGuard(self.tiers, settings)
         self.preflight = Preflight(settings, self.scheduler, self.tiers)
-        self.sessions = SessionCache(
+        self.sessions = ClientSessions(
             self.tiers,
             pin_max_bytes=settings.pin_max_bytes or settings.ram_budget_bytes // 4,
             ttl_s=settings.session_ttl_s,

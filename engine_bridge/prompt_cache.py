@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from . import kv
 from .cache.hashing import Chain, ExtraKeys
-from .cache.kinds import Reason, SavePoint
+from .cache.kinds import CheckpointReason, SavePoint
 from .cache.session_registry import SessionKey
 from .cache.ssd.index import Scope
 from .cache.tiers import Hit, TieredCache
@@ -24,7 +24,7 @@ from .scheduling.jobs import Job
 from .types import CacheSource
 
 if TYPE_CHECKING:
-    from .sessions.catalog import SessionCache
+    from .sessions.catalog import ClientSessions
 
 log = logging.getLogger("engine_bridge.prompt_cache")
 
@@ -70,7 +70,7 @@ class ModelCache:
         loaded: LoadedModel,
         tiers: TieredCache,
         policy: CachePolicy,
-        sessions: SessionCache | None = None,
+        sessions: ClientSessions | None = None,
     ):
         self.loaded = loaded
         self.tiers = tiers
@@ -232,7 +232,7 @@ class CacheSession:
         # heads), at a small cost in scales.
         return kv.quantize_block(block, bits=bits, group_size=32) if bits else block
 
-    def _checkpoint_reason(self, position: int, point: SavePoint) -> Reason | None:
+    def _checkpoint_reason(self, position: int, point: SavePoint) -> CheckpointReason | None:
         if position == 0:
             # A one-token prompt ends its prefill here; an empty prefix is never a hit
             # (a request always prefills at least one token), so there is nothing to keep.
@@ -243,9 +243,9 @@ class CacheSession:
                 return None
             prompt = self.job.prompt
             if position in prompt.message_starts or position == prompt.reply_opens_at:
-                return Reason.BOUNDARY
+                return CheckpointReason.BOUNDARY
             if position % self.owner.policy.checkpoint_interval == 0:
-                return Reason.PERIODIC
+                return CheckpointReason.PERIODIC
             return None
         if position % self.bs == 0 and not snapshots:
             return None  # the blocks already hold everything a paged model needs
@@ -254,7 +254,7 @@ class CacheSession:
             # back, and keeps that checkpoint. One here would supersede it, and would serve
             # only a retry of this very prompt.
             return None
-        return Reason(point.value)  # prompt_end / generation_end
+        return CheckpointReason(point.value)  # prompt_end / generation_end
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:

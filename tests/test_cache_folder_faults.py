@@ -42,7 +42,7 @@ from ssd_server_helpers import stats as server_stats
 
 from engine_bridge import kv
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.kinds import EntryKind, Reason
+from engine_bridge.cache.kinds import CheckpointReason, EntryKind
 from engine_bridge.cache.ram.manager import CacheManager
 from engine_bridge.cache.ssd.index import Scope
 from engine_bridge.cache.ssd.store import SSDConfig, SSDStore
@@ -115,7 +115,7 @@ def test_deleted_folder_is_made_again_and_what_ram_holds_is_written_again(
     t = open_tiers(root)
     c = chain()
     t.store_blocks(c, SCOPE, {i: block(i) for i in range(7)})
-    t.store_checkpoint(c, SCOPE, 9, checkpoint(9), Reason.BOUNDARY)
+    t.store_checkpoint(c, SCOPE, 9, checkpoint(9), CheckpointReason.BOUNDARY)
     assert t.ssd.flush()
     written = t.ssd.stats()
     assert (written.entries, written.writes) == (8, 8)
@@ -130,7 +130,7 @@ def test_deleted_folder_is_made_again_and_what_ram_holds_is_written_again(
         # The next request stores the first message boundary of another prompt: its write
         # finds the loss (a hybrid model's blocks wait for a checkpoint; this one goes at once).
         other = chain(list(range(900, 904)))
-        t.store_checkpoint(other, SCOPE, 3, checkpoint(3), Reason.BOUNDARY)
+        t.store_checkpoint(other, SCOPE, 3, checkpoint(3), CheckpointReason.BOUNDARY)
         assert t.ssd.flush()
         # RAM still answers in full, and the next lookup puts the lost entries again.
         assert t.lookup(c, SCOPE, needs_checkpoint=False).ram_length == 28

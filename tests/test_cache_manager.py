@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import pytest
 
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.kinds import EntryKind, Reason
+from engine_bridge.cache.kinds import CheckpointReason, EntryKind
 from engine_bridge.cache.ram.checkpoints import Checkpoint
 from engine_bridge.cache.ram.manager import CacheManager, InsertResult
 from engine_bridge.cache.ram.matching import Match
@@ -32,7 +32,7 @@ def chain(tokens, extra=()) -> Chain:
 def checkpoint(m: CacheManager, tokens, extra, payload, reason: str) -> InsertResult:
     """Insert a checkpoint after all of `tokens`."""
     at = Chain(tokens, m.block_size, extra)
-    return m.insert_checkpoint(at, len(tokens), payload, Reason(reason))
+    return m.insert_checkpoint(at, len(tokens), payload, CheckpointReason(reason))
 
 
 def store(m: CacheManager, tokens, extra=(), nbytes: int = 10, label: str = "") -> None:
@@ -457,10 +457,10 @@ def test_thinning_can_be_turned_off():
 
 
 def test_checkpoint_reason_must_be_a_reason():
-    with pytest.raises(AssertionError, match="'boundary' is not a Reason"):
+    with pytest.raises(AssertionError, match="'boundary' is not a CheckpointReason"):
         cache().insert_checkpoint(chain(SEQ), len(SEQ), FakePayload(1), "boundary")
     with pytest.raises(ValueError, match="'sometimes'"):
-        Reason("sometimes")
+        CheckpointReason("sometimes")
 
 
 # ---- stats and threads ------------------------------------------------------------------

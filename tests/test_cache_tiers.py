@@ -13,7 +13,7 @@ import pytest
 
 from engine_bridge import kv
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.kinds import EntryKind, Reason
+from engine_bridge.cache.kinds import CheckpointReason, EntryKind
 from engine_bridge.cache.ram.manager import CacheManager, CacheStats
 from engine_bridge.cache.ssd import files as ssd_files
 from engine_bridge.cache.ssd.index import Scope
@@ -49,7 +49,7 @@ def write(ssd: SSDStore, blocks: range = range(7), checkpoints: tuple[int, ...] 
     c = chain()
     writer.store_blocks(c, SCOPE, {i: block(i) for i in blocks})
     for p in checkpoints:
-        writer.store_checkpoint(c, SCOPE, p, checkpoint(p), Reason.BOUNDARY)
+        writer.store_checkpoint(c, SCOPE, p, checkpoint(p), CheckpointReason.BOUNDARY)
         # Written before the next one supersedes it (superseded ones are never written).
         assert ssd.flush(30.0)
     assert ssd.flush(30.0)
@@ -132,7 +132,7 @@ def test_snapshot_model_plans_the_deepest_checkpoint_and_falls_back_past_a_corru
     path.write_bytes(bytes(data))
     assert t.promote(hit)
     match = t.ram.match(c, needs_checkpoint=True)
-    assert (match.length, match.checkpoint.reason) == (9, Reason.BOUNDARY)
+    assert (match.length, match.checkpoint.reason) == (9, CheckpointReason.BOUNDARY)
     assert ssd.stats().quarantined == 1
 
 
@@ -151,14 +151,14 @@ def test_eviction_spills_the_typed_entry_with_its_reason(tmp_path):
     t = TieredCache(CacheManager(0, block_size=BS), store, kv.HostCodec(), write_through=False)
     c = chain()
     t.store_blocks(c, SCOPE, {0: block(0)})
-    t.store_checkpoint(c, SCOPE, 6, checkpoint(6), Reason.PROMPT_END)
+    t.store_checkpoint(c, SCOPE, 6, checkpoint(6), CheckpointReason.PROMPT_END)
     assert store.flush(30.0)
     assert store.contains_many(SCOPE, EntryKind.BLOCK, c.hashes[:1]) == [True]
     assert store.stats().spills == 2
     reread = tiers(store)
     hit = reread.lookup(c, SCOPE, needs_checkpoint=True)
     assert reread.promote(hit)
-    assert reread.ram.match(c, needs_checkpoint=True).checkpoint.reason is Reason.PROMPT_END
+    assert reread.ram.match(c, needs_checkpoint=True).checkpoint.reason is CheckpointReason.PROMPT_END
     store.close()
 
 

@@ -10,14 +10,14 @@ import pytest
 
 from engine_bridge.cache.checkpoint_writes import DeferredWrites
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.kinds import EntryKind, Reason
+from engine_bridge.cache.kinds import CheckpointReason, EntryKind
 from engine_bridge.cache.ram.manager import CacheManager
 from engine_bridge.cache.session_registry import MAX_CHAINS, SessionKey, SessionRegistry
 from engine_bridge.cache.session_store import SessionStore
 from engine_bridge.cache.ssd.index import Scope
 from engine_bridge.cache.ssd.offline import offline_clear
 from engine_bridge.cache.tiers import TieredCache
-from engine_bridge.sessions.catalog import SessionCache
+from engine_bridge.sessions.catalog import ClientSessions
 from engine_bridge.sessions.prune import GoneEntries
 from engine_bridge.types import EngineError
 
@@ -42,7 +42,7 @@ def session_chain(own: int) -> Chain:
     return Chain(SYSTEM + [own * 10 + i for i in range(8)], BS, EXTRA)
 
 
-def stored(sessions: SessionCache, name: str, own: int, nbytes: int = 100) -> Chain:
+def stored(sessions: ClientSessions, name: str, own: int, nbytes: int = 100) -> Chain:
     """What a request of session `name` does: store its blocks, then tell the registry."""
     c = session_chain(own)
     sessions.tiers.ram.insert_blocks(c, {i: Payload(nbytes) for i in range(len(c.hashes))})
@@ -51,9 +51,9 @@ def stored(sessions: SessionCache, name: str, own: int, nbytes: int = 100) -> Ch
 
 
 @pytest.fixture
-def sessions() -> SessionCache:
+def sessions() -> ClientSessions:
     ram = CacheManager(10_000, block_size=BS)
-    return SessionCache(TieredCache(ram, None, codec=None), pin_max_bytes=450)
+    return ClientSessions(TieredCache(ram, None, codec=None), pin_max_bytes=450)
 
 
 def test_a_session_owns_what_no_other_references_and_shares_the_rest(sessions):
@@ -179,7 +179,7 @@ def test_an_offline_clear_forgets_the_sessions_of_what_it_deleted(tmp_path):
 def test_a_deleted_sessions_checkpoint_waiting_to_be_written_is_never_written(sessions):
     ram = sessions.tiers.ram
     c = stored(sessions, "a", 1)
-    ram.insert_checkpoint(c, 14, Payload(50), Reason.PROMPT_END)
+    ram.insert_checkpoint(c, 14, Payload(50), CheckpointReason.PROMPT_END)
     sessions.note(key("a"), SCOPE, BS, c.hashes, (c.checkpoint_key(14), 14))
     entry = ram.entry(EntryKind.CHECKPOINT, c.checkpoint_key(14))
     written = []

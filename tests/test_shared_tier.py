@@ -9,7 +9,7 @@ import pytest
 
 from engine_bridge import kv
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.kinds import EntryKind, Reason
+from engine_bridge.cache.kinds import CheckpointReason, EntryKind
 from engine_bridge.cache.ram.manager import CacheManager
 from engine_bridge.cache.shared.config import SharedConfig, SharedWritePolicy
 from engine_bridge.cache.shared.store import SharedStore
@@ -48,7 +48,7 @@ class Machine:
         """What a prefill stores: blocks, then checkpoints, then everything sent."""
         self.tiers.store_blocks(c, SCOPE, {i: block(i) for i in blocks})
         for p in checkpoints:
-            self.tiers.store_checkpoint(c, SCOPE, p, checkpoint(p), Reason.BOUNDARY)
+            self.tiers.store_checkpoint(c, SCOPE, p, checkpoint(p), CheckpointReason.BOUNDARY)
         assert self.store.flush(20)
 
     def restore(self, c: Chain, snapshots: bool = False, scope: Scope = SCOPE):

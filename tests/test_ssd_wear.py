@@ -13,7 +13,7 @@ import pytest
 
 from engine_bridge import kv
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.kinds import EntryKind, Reason
+from engine_bridge.cache.kinds import CheckpointReason, EntryKind
 from engine_bridge.cache.ram.manager import CacheManager
 from engine_bridge.cache.ssd.index import Scope
 from engine_bridge.cache.ssd.store import SSDConfig, SSDStore
@@ -144,10 +144,10 @@ def _store_session(t: TieredCache, c: Chain, points) -> None:
 
 
 SESSION = [
-    (5, Reason.BOUNDARY),
-    (9, Reason.PROMPT_END),
-    (13, Reason.BOUNDARY),
-    (22, Reason.PROMPT_END),
+    (5, CheckpointReason.BOUNDARY),
+    (9, CheckpointReason.PROMPT_END),
+    (13, CheckpointReason.BOUNDARY),
+    (22, CheckpointReason.PROMPT_END),
 ]
 
 
@@ -185,8 +185,8 @@ def test_a_checkpoint_another_branch_leaves_from_stays_live(tmp_path):
         t.store_blocks(c, SCOPE, {i: block(i) for i in range(7)})
         t.store_blocks(branch, SCOPE, {3: block(30), 4: block(40)})
         # The branch has a message boundary of its own past the fork: a conversation.
-        t.store_checkpoint(branch, SCOPE, 17, checkpoint(17), Reason.BOUNDARY)
-        t.store_checkpoint(branch, SCOPE, 19, checkpoint(19), Reason.PROMPT_END)
+        t.store_checkpoint(branch, SCOPE, 17, checkpoint(17), CheckpointReason.BOUNDARY)
+        t.store_checkpoint(branch, SCOPE, 19, checkpoint(19), CheckpointReason.PROMPT_END)
         _store_session(t, c, SESSION)
         superseded = {e.position for e in t.ram.entries() if getattr(e, "superseded", False)}
         assert superseded == {9}  # 13 is where the branch resumes from
@@ -206,7 +206,7 @@ def test_a_generation_end_checkpoint_is_written_only_once_a_request_reuses_it(tm
     with open_ssd(tmp_path) as ssd:
         t = tiers(ssd, WritePolicy.THROUGH)
         t.store_blocks(c, SCOPE, {i: block(i) for i in range(7)})
-        t.store_checkpoint(c, SCOPE, 29, checkpoint(29), Reason.GENERATION_END)
+        t.store_checkpoint(c, SCOPE, 29, checkpoint(29), CheckpointReason.GENERATION_END)
         key = c.checkpoint_key(29)
         assert on_disk(ssd, EntryKind.CHECKPOINT, [key]) == [False]
         match = t.pin(t.lookup(chain(TOKENS + [1]), SCOPE, needs_checkpoint=True), promoted=False)

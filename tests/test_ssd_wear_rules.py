@@ -12,7 +12,7 @@ from __future__ import annotations
 from engine_bridge import kv
 from engine_bridge.cache.checkpoint_writes import DeferredStats, DeferredWrites
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.kinds import EntryKind, Reason
+from engine_bridge.cache.kinds import CheckpointReason, EntryKind
 from engine_bridge.cache.ram.manager import CacheManager
 from engine_bridge.cache.ssd.index import Scope
 from engine_bridge.cache.ssd.store import SSDConfig, SSDStore
@@ -54,7 +54,7 @@ def hybrid_tiers(ssd, delay: float = HOUR, every: int | None = None) -> TieredCa
     return t
 
 
-def store(t: TieredCache, c: Chain, *points: tuple[int, Reason]) -> None:
+def store(t: TieredCache, c: Chain, *points: tuple[int, CheckpointReason]) -> None:
     """Store the blocks up to the deepest point, then the checkpoints, as a prefill does."""
     deepest = max(p for p, _ in points)
     t.store_blocks(c, SCOPE, {i: block(i) for i in range(deepest // BS)})
@@ -93,13 +93,13 @@ def test_a_tip_the_conversation_left_inside_its_last_message_is_superseded(tmp_p
     rerendered = chain(TOKENS[:10] + list(range(900, 920)))
     with open_ssd(tmp_path) as ssd:
         t = hybrid_tiers(ssd)
-        store(t, turns, (5, Reason.BOUNDARY), (9, Reason.PROMPT_END))
-        store(t, turns, (13, Reason.BOUNDARY), (17, Reason.PROMPT_END))
+        store(t, turns, (5, CheckpointReason.BOUNDARY), (9, CheckpointReason.PROMPT_END))
+        store(t, turns, (13, CheckpointReason.BOUNDARY), (17, CheckpointReason.PROMPT_END))
         assert superseded(t) == {9, 13}
         assert resume(t, rerendered) == 9  # live again, and held back like a new one
         assert ssd.flush(30.0)  # the writer would have had time for it meanwhile
         assert superseded(t) == {13}
-        store(t, rerendered, (14, Reason.BOUNDARY), (22, Reason.PROMPT_END))
+        store(t, rerendered, (14, CheckpointReason.BOUNDARY), (22, CheckpointReason.PROMPT_END))
         # 17 is a tip nobody returns to; without it no branch needs 9 any more.
         assert superseded(t) == {9, 13, 14, 17}
         t.deferred.flush(everything=True)  # what close does first
@@ -113,9 +113,9 @@ def test_a_session_that_shares_only_the_first_message_keeps_its_tip(tmp_path):
     other = chain(TOKENS[:6] + list(range(900, 920)))
     with open_ssd(tmp_path) as ssd:
         t = hybrid_tiers(ssd)
-        store(t, first, (5, Reason.BOUNDARY), (9, Reason.PROMPT_END))
+        store(t, first, (5, CheckpointReason.BOUNDARY), (9, CheckpointReason.PROMPT_END))
         assert resume(t, other) == 5
-        store(t, other, (12, Reason.BOUNDARY), (20, Reason.PROMPT_END))
+        store(t, other, (12, CheckpointReason.BOUNDARY), (20, CheckpointReason.PROMPT_END))
         assert superseded(t) == {12}
         t.deferred.flush(everything=True)  # what close does first
         assert checkpoints_on_disk(ssd, first, (5, 9)) == {5, 9}
@@ -127,7 +127,7 @@ def test_periodic_checkpoints_reach_disk_only_as_far_apart_as_a_crash_may_lose(t
     every = 16  # 8 intervals of 2 tokens
     with open_ssd(tmp_path) as ssd:
         t = hybrid_tiers(ssd, every=every)
-        points = [(3, Reason.BOUNDARY)] + [(p, Reason.PERIODIC) for p in range(4, 45, 2)]
+        points = [(3, CheckpointReason.BOUNDARY)] + [(p, CheckpointReason.PERIODIC) for p in range(4, 45, 2)]
         store(t, long, *points)
         written = checkpoints_on_disk(ssd, long, [p for p, _ in points])
         # From the first boundary at 3: the last periodic one before 3 + 16 is 18, then 34.
@@ -144,12 +144,12 @@ def test_a_prefill_counts_its_periodic_writes_from_where_it_resumed(tmp_path):
     with open_ssd(tmp_path) as ssd:
         t = hybrid_tiers(ssd, every=every)
         first = chain(tokens[:21])
-        store(t, first, (3, Reason.BOUNDARY), (20, Reason.PROMPT_END))  # 20 is held back
+        store(t, first, (3, CheckpointReason.BOUNDARY), (20, CheckpointReason.PROMPT_END))  # 20 is held back
         # The next turn resumes at 20: its own prefill loses at most 16 tokens to a crash
         # with 36 on disk; counted from the first boundary (3), 22 would be due already.
         nxt = chain(tokens)
         assert resume(t, nxt) == 20
-        store(t, nxt, *[(p, Reason.PERIODIC) for p in range(22, 45, 2)])
+        store(t, nxt, *[(p, CheckpointReason.PERIODIC) for p in range(22, 45, 2)])
         assert checkpoints_on_disk(ssd, nxt, range(3, 45)) == {3, 36}
 
 
@@ -159,10 +159,10 @@ def test_a_snapshot_models_blocks_are_written_with_the_checkpoints_that_need_the
         t = hybrid_tiers(ssd)
         t.store_blocks(c, SCOPE, {i: block(i) for i in range(7)})
         assert blocks_on_disk(ssd, c) == [False] * 7
-        t.store_checkpoint(c, SCOPE, 9, checkpoint(9), Reason.BOUNDARY)
+        t.store_checkpoint(c, SCOPE, 9, checkpoint(9), CheckpointReason.BOUNDARY)
         # The first boundary goes at once, and the two blocks under it with it.
         assert blocks_on_disk(ssd, c) == [True] * 2 + [False] * 5
-        t.store_checkpoint(c, SCOPE, 22, checkpoint(22), Reason.PROMPT_END)
+        t.store_checkpoint(c, SCOPE, 22, checkpoint(22), CheckpointReason.PROMPT_END)
         assert blocks_on_disk(ssd, c) == [True] * 2 + [False] * 5  # 22 is held back
         t.deferred.flush(everything=True)  # what close does first
         # Blocks 5 and 6 lie past every written checkpoint: never written.
@@ -179,7 +179,7 @@ def test_a_restart_never_resumes_from_a_checkpoint_whose_blocks_are_missing(tmp_
     c = chain()
     with open_ssd(tmp_path) as ssd:
         t = hybrid_tiers(ssd, delay=0.0)
-        store(t, c, (5, Reason.BOUNDARY), (22, Reason.PROMPT_END))
+        store(t, c, (5, CheckpointReason.BOUNDARY), (22, CheckpointReason.PROMPT_END))
         t.close(30.0)
     with open_ssd(tmp_path) as ssd:
         # Block 3 (under 22, past 5) goes missing from the disk.
@@ -198,7 +198,7 @@ def test_a_held_back_write_that_comes_due_goes_out_on_the_mlx_thread(tmp_path):
         t = hybrid_tiers(ssd, delay=0.001)
         asked = []
         t.call_on_mlx = asked.append  # the engine passes its scheduler's `call`
-        store(t, c, (5, Reason.BOUNDARY), (22, Reason.PROMPT_END))
+        store(t, c, (5, CheckpointReason.BOUNDARY), (22, CheckpointReason.PROMPT_END))
         while not t.deferred.due():
             pass
         t.writes.tick()  # the SSD writer's tick: it converts nothing itself
@@ -215,9 +215,9 @@ def test_a_held_back_checkpoint_waits_from_the_end_of_its_request(tmp_path):
     with open_ssd(tmp_path) as ssd:
         t = hybrid_tiers(ssd)
         t.writes.deferred = DeferredWrites(10.0, clock=lambda: now[0])
-        store(t, c, (5, Reason.BOUNDARY), (22, Reason.PROMPT_END))
+        store(t, c, (5, CheckpointReason.BOUNDARY), (22, CheckpointReason.PROMPT_END))
         now[0] = 8.0  # the model generates for 8 s, then the request ends
-        t.store_checkpoint(c, SCOPE, 26, checkpoint(26), Reason.GENERATION_END)
+        t.store_checkpoint(c, SCOPE, 26, checkpoint(26), CheckpointReason.GENERATION_END)
         now[0] = 12.0  # 12 s after the prompt end, 4 s after the request
         t.deferred.flush()
         assert checkpoints_on_disk(ssd, c, (5, 22)) == {5}
@@ -234,7 +234,7 @@ def test_held_back_writes_are_bounded_and_the_oldest_go_out_early(tmp_path):
         t = hybrid_tiers(ssd)
         t.writes.deferred = DeferredWrites(HOUR, max_held=3)
         for c in sessions:
-            store(t, c, (5, Reason.BOUNDARY), (22, Reason.PROMPT_END))
+            store(t, c, (5, CheckpointReason.BOUNDARY), (22, CheckpointReason.PROMPT_END))
         one = t.deferred.nbytes // 3
         assert t.stats().writes.deferred == DeferredStats(
             held=3, held_bytes=3 * one, max_held=3, max_held_bytes=1 << 30, dropped=0, early=2
@@ -245,7 +245,7 @@ def test_held_back_writes_are_bounded_and_the_oldest_go_out_early(tmp_path):
         t.writes.deferred = DeferredWrites(HOUR, max_bytes=2 * one + one // 2)
         more = [chain(list(range(1000 * k, 1000 * k + 30))) for k in range(6, 9)]
         for c in more:
-            store(t, c, (5, Reason.BOUNDARY), (22, Reason.PROMPT_END))
+            store(t, c, (5, CheckpointReason.BOUNDARY), (22, CheckpointReason.PROMPT_END))
         assert (t.deferred.stats().held, t.deferred.stats().early) == (2, 1)
         assert [checkpoints_on_disk(ssd, c, (5, 22)) for c in more] == [{5, 22}, {5}, {5}]
 
@@ -255,8 +255,8 @@ def test_past_the_bound_a_superseded_held_write_is_dropped_before_any_goes_early
     with open_ssd(tmp_path) as ssd:
         t = hybrid_tiers(ssd)
         t.writes.deferred = DeferredWrites(HOUR, max_held=2)
-        store(t, turns, (5, Reason.BOUNDARY), (9, Reason.PROMPT_END))
-        store(t, turns, (13, Reason.BOUNDARY), (17, Reason.PROMPT_END))
+        store(t, turns, (5, CheckpointReason.BOUNDARY), (9, CheckpointReason.PROMPT_END))
+        store(t, turns, (13, CheckpointReason.BOUNDARY), (17, CheckpointReason.PROMPT_END))
         assert superseded(t) == {9, 13}
         stats = t.deferred.stats()
         assert (stats.held, stats.dropped, stats.early) == (2, 1, 0)

@@ -16,7 +16,7 @@ class EntryKind(StrEnum):
     FEATURES = "features"  # a vision encoder's output for one image (vision_features.py)
 
 
-class Reason(StrEnum):
+class CheckpointReason(StrEnum):
     """Why a checkpoint exists; thinning drops only periodic ones (see checkpoints.py)."""
 
     PERIODIC = "periodic"

@@ -27,7 +27,7 @@ from engine_bridge.cache.checkpoint_writes import (
     skip_if_superseded,
 )
 from engine_bridge.cache.hashing import BlockHash, Chain
-from engine_bridge.cache.kinds import EntryKind, Reason
+from engine_bridge.cache.kinds import CheckpointReason, EntryKind
 from engine_bridge.cache.ram.checkpoints import Checkpoint
 from engine_bridge.cache.ram.manager import CacheManager, Entry
 from engine_bridge.cache.ram.matching import Match
@@ -173,7 +173,7 @@ class TierWrites:
                 self._write(s, EntryKind.BLOCK, chain.hashes[i], chain.block_size, None)
 
     def store_checkpoint(
-        self, chain: Chain, scope: Scope, position: int, payload: Any, reason: Reason
+        self, chain: Chain, scope: Scope, position: int, payload: Any, reason: CheckpointReason
     ) -> None:
         """Insert the state after `position` tokens of `chain`; with write-through, write it
         once it has stayed the deepest on its path a while (write_policy.py)."""
@@ -182,7 +182,7 @@ class TierWrites:
         if big:
             self.snapshot_scopes.add(scope)
         self.ram.insert_checkpoint(chain, position, stored, reason)
-        if reason is Reason.GENERATION_END and len(self.deferred):
+        if reason is CheckpointReason.GENERATION_END and len(self.deferred):
             # The request is done: its held-back checkpoints wait from now, so a long
             # generation does not use up the time the client's next turn needs to arrive.
             mine = [
@@ -191,12 +191,12 @@ class TierWrites:
                 if c.position <= len(chain) and chain.checkpoint_key(c.position) == c.key
             ]
             self.deferred.postpone(mine)
-        if self.policy is not WritePolicy.THROUGH or (reason is Reason.GENERATION_END and big):
+        if self.policy is not WritePolicy.THROUGH or (reason is CheckpointReason.GENERATION_END and big):
             return
         entry = self.ram.entry(EntryKind.CHECKPOINT, chain.checkpoint_key(position))
         if entry is None or entry.payload is not stored or entry.superseded:
             return  # evicted at once (and spilled), already held, or thinned
-        sparse = reason is Reason.PERIODIC and self._periodic_due(chain, scope, position)
+        sparse = reason is CheckpointReason.PERIODIC and self._periodic_due(chain, scope, position)
         if sparse:
             # Written even once superseded: a crash in a long prefill resumes here.
             self._write_checkpoint(chain, entry, "write_through", skip=False)
@@ -341,7 +341,7 @@ class TierWrites:
         if entry.kind is EntryKind.CHECKPOINT and (
             entry.superseded
             or (
-                entry.reason is Reason.GENERATION_END
+                entry.reason is CheckpointReason.GENERATION_END
                 and not used
                 and has_snapshots(entry.payload.payload)
             )
@@ -368,7 +368,7 @@ class TierWrites:
         kind: EntryKind,
         key: BlockHash,
         tokens: int,
-        reason: Reason | None,
+        reason: CheckpointReason | None,
         why: PutReason = "write_through",
         skip: Callable[[], bool] | None = None,
     ) -> PutOutcome | None:
@@ -382,7 +382,7 @@ class TierWrites:
         return outcome
 
     def _host(
-        self, stored: Stored, tokens: int, reason: Reason | None
+        self, stored: Stored, tokens: int, reason: CheckpointReason | None
     ) -> tuple[dict[str, HostTensor], dict[str, str]]:
         tensors, meta = self.codec.to_host(stored.payload)
         meta[META_TOKENS] = str(tokens)

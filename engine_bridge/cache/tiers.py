@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine_bridge.cache.checkpoint_writes import DeferredWrites
 from engine_bridge.cache.hashing import BlockHash, Chain
-from engine_bridge.cache.kinds import EntryKind, Reason
+from engine_bridge.cache.kinds import CheckpointReason, EntryKind
 from engine_bridge.cache.ram.manager import CacheManager, CacheStats
 from engine_bridge.cache.ram.matching import Match
 from engine_bridge.cache.ssd.index import Scope
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from engine_bridge.cache.shared.tier import SharedTier
     from engine_bridge.cache.ssd.store import SSDEntry
 
-__all__ = ["Codec", "Hit", "SSDPlan", "Stored", "TierStats", "TieredCache"]
+__all__ = ["Codec", "Hit", "SSDReadPlan", "Stored", "TierStats", "TieredCache"]
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ _REWRITE_STEP = 32
 
 
 @dataclass(slots=True, frozen=True)
-class SSDPlan:
+class SSDReadPlan:
     """What the SSD adds: read `blocks` (chain indices, in order), then the checkpoint at
     `checkpoint` if set, to resume at `length`."""
 
@@ -65,7 +65,7 @@ class Hit:
     scope: Scope
     needs_checkpoint: bool
     ram: Match  # what RAM restores as it stands
-    ssd: SSDPlan | None  # how the SSD extends it, when it does
+    ssd: SSDReadPlan | None  # how the SSD extends it, when it does
     # Where the prompt left a sequence RAM holds part way (not merely ran past its end).
     diverged_at: int | None
     from_shared: bool = False  # promotion read entries from the shared store
@@ -168,7 +168,7 @@ class TieredCache:
         ram_length: int,
         reach: int,
         shared: bool = True,
-    ) -> SSDPlan | None:
+    ) -> SSDReadPlan | None:
         """The deepest position up to `reach` that RAM and SSD (and the shared store, unless
         `shared` is False) restore together, past RAM's."""
         bs = chain.block_size
@@ -192,7 +192,7 @@ class TieredCache:
         needed = target // bs if checkpoint is not None else -(-target // bs)
         in_ram = self.ram.has_blocks(chain.hashes[:needed])
         missing = tuple(i for i, present in enumerate(in_ram) if not present)
-        return SSDPlan(target, missing, checkpoint)
+        return SSDReadPlan(target, missing, checkpoint)
 
     def _present_blocks(self, chain: Chain, scope: Scope, start: int, shared: bool = True) -> int:
         """How many leading blocks of the chain are in RAM or on disk; [0, start) are in RAM.
@@ -310,7 +310,7 @@ class TieredCache:
             if held.pinned:
                 self.ram.release(held)
 
-    def _read_into_ram(self, hit: Hit, plan: SSDPlan) -> bool | int:
+    def _read_into_ram(self, hit: Hit, plan: SSDReadPlan) -> bool | int:
         """Promote `plan`; True/False when done, or a lower reach to plan again with."""
         chain, scope, bs = hit.chain, hit.scope, hit.chain.block_size
         reserved: list[int] = []
@@ -368,7 +368,7 @@ class TieredCache:
         key: BlockHash,
         reserved: list[int],
         fetched: Mapping[BlockHash, SSDEntry] | None = None,
-    ) -> tuple[Stored, Reason] | None:
+    ) -> tuple[Stored, CheckpointReason] | None:
         """Read one entry under a RAM reservation (kept in `reserved`); None is a miss.
         `fetched`: what the shared store already gave for this run (not asked again)."""
         reserve, release = self._reservation(reserved)
@@ -382,7 +382,7 @@ class TieredCache:
             return None
         try:
             payload = self.codec.from_host(entry.tensors, entry.meta)
-            reason = Reason(entry.meta[META_REASON]) if kind is EntryKind.CHECKPOINT else None
+            reason = CheckpointReason(entry.meta[META_REASON]) if kind is EntryKind.CHECKPOINT else None
         except (ValueError, KeyError) as e:
             log.warning("cache entry %s is unreadable as a payload: %s", key.hex()[:16], e)
             return None
@@ -417,7 +417,7 @@ class TieredCache:
             self.shared.stored_blocks(chain, stored)
 
     def store_checkpoint(
-        self, chain: Chain, scope: Scope, position: int, payload: Any, reason: Reason
+        self, chain: Chain, scope: Scope, position: int, payload: Any, reason: CheckpointReason
     ) -> None:
         """Insert the state after `position` tokens of `chain`, and write it when its policy
         says (tier_writes.py)."""

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("engine_bridge.ops.request_log")
 
-Reason = Literal[
+MissReason = Literal[
     "hit",
     "new_session",
     "evicted_ram",
@@ -66,7 +66,7 @@ class RequestRecord:
     diverged_message: int | None
     before: str
     after: str
-    reason: Reason
+    reason: MissReason
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -121,7 +121,7 @@ def classify(
     prev: PromptSummary | None,
     report: LookupReport | None,
     used_cache: bool,
-) -> Reason:
+) -> MissReason:
     """The reason class of one request's hit (see the module doc)."""
     if not used_cache or report is None:
         return "bypass"
@@ -213,7 +213,7 @@ class RequestLog:
         self._lock = threading.Lock()
         self.alert = HitRatioAlert(alert_hit_ratio)
         # Requests by (model, reason) since start: what /metrics counts misses by.
-        self._reasons: Counter[tuple[str, Reason]] = Counter()
+        self._reasons: Counter[tuple[str, MissReason]] = Counter()
 
     def on_done(self, seq: Seq, result: GenerationResult) -> None:
         """Record a finished sequence (the runner's `on_done`)."""
@@ -267,7 +267,7 @@ class RequestLog:
                     break
         return out
 
-    def reason_totals(self) -> dict[tuple[str, Reason], int]:
+    def reason_totals(self) -> dict[tuple[str, MissReason], int]:
         with self._lock:
             return dict(self._reasons)
 

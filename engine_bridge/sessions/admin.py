@@ -17,7 +17,7 @@ from ..cache.session_registry import SessionKey
 from ..models import loading as models
 from ..scheduling.jobs import Job
 from ..types import EngineError
-from .catalog import Freed, SessionCache, SessionView
+from .catalog import ClientSessions, Freed, SessionView
 from .prune import GoneEntries
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class Deleted:
 
 
 class SessionAdmin:
-    def __init__(self, sessions: SessionCache, on_mlx: OnMlx, entries: Mapping[str, ModelEntry]):
+    def __init__(self, sessions: ClientSessions, on_mlx: OnMlx, entries: Mapping[str, ModelEntry]):
         self.sessions = sessions
         self.gone = GoneEntries(sessions)
         self._on_mlx = on_mlx

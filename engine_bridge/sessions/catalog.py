@@ -58,7 +58,7 @@ class Freed:
 
 
 @dataclass(slots=True)
-class SSDPlan:
+class SSDDeletePlan:
     """What a delete removes from disk once queued writes are flushed: keys by scope."""
 
     keys: dict[tuple[Scope, EntryKind], list[BlockHash]] = field(default_factory=dict)
@@ -68,7 +68,7 @@ class SSDPlan:
     everything: bool = False
 
 
-class SessionCache:
+class ClientSessions:
     """Sessions of every model and tenant over the process-wide tiers."""
 
     def __init__(
@@ -241,7 +241,7 @@ class SessionCache:
 
     # ---- deleting -----------------------------------------------------------------------
 
-    def drop_ram(self, keys: list[SessionKey]) -> tuple[Freed, SSDPlan]:
+    def drop_ram(self, keys: list[SessionKey]) -> tuple[Freed, SSDDeletePlan]:
         """Forget the sessions and drop from RAM what only they referenced (MLX thread);
         returns what was freed and what to delete from disk next (`drop_ssd`)."""
         recs = [r for r in map(self.registry.get, keys) if r is not None]
@@ -256,11 +256,11 @@ class SessionCache:
         freed = Freed()
         for (_, kind), hashes in own.items():
             freed.add(*self.tiers.ram.discard([(kind, h) for h in hashes]))
-        return freed, SSDPlan(keys=own)
+        return freed, SSDDeletePlan(keys=own)
 
     def clear_ram(
         self, model_id: str | None, fingerprint: str | None, tenant: str | None
-    ) -> tuple[Freed, SSDPlan]:
+    ) -> tuple[Freed, SSDDeletePlan]:
         """Drop every session and unreferenced RAM entry of a model and/or tenant."""
         keys = [
             r.key
@@ -281,9 +281,9 @@ class SessionCache:
         freed = Freed()
         freed.add(*self.tiers.ram.discard(victims))
         everything = model_id is None and tenant is None
-        return freed, SSDPlan(model=fingerprint, tenant=folder, everything=everything)
+        return freed, SSDDeletePlan(model=fingerprint, tenant=folder, everything=everything)
 
-    def drop_ssd(self, plan: SSDPlan, freed: Freed) -> Freed:
+    def drop_ssd(self, plan: SSDDeletePlan, freed: Freed) -> Freed:
         """Delete a plan's entries from disk (any thread; waits for queued writes first)."""
         ssd = self.tiers.ssd
         if ssd is None:
@@ -297,10 +297,10 @@ class SessionCache:
 
     # ---- idle expiry --------------------------------------------------------------------
 
-    def drop_idle(self, busy: set[SessionKey]) -> tuple[list[SessionKey], Freed, SSDPlan]:
+    def drop_idle(self, busy: set[SessionKey]) -> tuple[list[SessionKey], Freed, SSDDeletePlan]:
         """`drop_ram` the idle sessions but those in `busy` (MLX thread)."""
         keys = [k for k in self.idle() if k not in busy]
-        freed, plan = self.drop_ram(keys) if keys else (Freed(), SSDPlan())
+        freed, plan = self.drop_ram(keys) if keys else (Freed(), SSDDeletePlan())
         for hashes in plan.keys.values():
             self.tiers.note_expired(hashes)
         return keys, freed, plan

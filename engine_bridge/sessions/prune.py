@@ -20,7 +20,7 @@ from collections import deque
 
 from ..cache.kinds import EntryKind
 from ..cache.session_registry import EntryId, SessionKey, SessionRecord
-from .catalog import SessionCache
+from .catalog import ClientSessions
 
 # Sessions looked at per upkeep tick: with the registry's 4,096 sessions and a tick of 5 s,
 # every session is looked at about every 2.5 minutes.
@@ -31,11 +31,11 @@ MIN_GAP_S = 5.0
 
 
 class GoneEntries:
-    """The look state of one SessionCache: the sessions still to look at this round, and
+    """The look state of one ClientSessions: the sessions still to look at this round, and
     what the last look found missing."""
 
     def __init__(
-        self, sessions: SessionCache, batch: int = BATCH, min_gap_s: float = MIN_GAP_S
+        self, sessions: ClientSessions, batch: int = BATCH, min_gap_s: float = MIN_GAP_S
     ) -> None:
         self.sessions = sessions
         self.batch = batch

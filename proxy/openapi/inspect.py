@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, get_args
 
-from engine_bridge.ops.request_log import Reason
+from engine_bridge.ops.request_log import MissReason
 
 from ..cache_api.inspect import REQUESTS_DEFAULT, REQUESTS_MAX
 
@@ -12,7 +12,7 @@ Schema = dict[str, Any]
 
 _COUNT = {"type": "integer", "minimum": 0}
 _STRING = {"type": "string"}
-_REASONS = list(get_args(Reason))  # the request log's reason classes, one source
+_REASONS = list(get_args(MissReason))  # the request log's reason classes, one source
 
 
 def _ref(name: str) -> Schema:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from engine_bridge.cache.hashing import BlockHash, Chain, checkpoint_key
-from engine_bridge.cache.kinds import EntryKind, Reason
+from engine_bridge.cache.kinds import CheckpointReason, EntryKind
 from engine_bridge.cache.ram.pool import GroupedStore, Linked
 
 
@@ -35,7 +35,7 @@ class Checkpoint:
     anchor: BlockHash
     tail: tuple[int, ...]
     position: int
-    reason: Reason
+    reason: CheckpointReason
     payload: object = field(repr=False)
     nbytes: int
     ref_cnt: int = 0
@@ -73,7 +73,7 @@ class CheckpointStore(GroupedStore):
         anchor: BlockHash,
         tail: tuple[int, ...],
         position: int,
-        reason: Reason,
+        reason: CheckpointReason,
         payload: object,
         nbytes: int,
     ) -> tuple[Checkpoint, bool]:
@@ -81,12 +81,12 @@ class CheckpointStore(GroupedStore):
 
         A boundary reason upgrades an existing periodic checkpoint so thinning spares it.
         """
-        assert isinstance(reason, Reason), f"checkpoint reason {reason!r} is not a Reason"
+        assert isinstance(reason, CheckpointReason), f"checkpoint reason {reason!r} is not a CheckpointReason"
         key = checkpoint_key(anchor, tail)
         ckpt = self._by_key.get(key)
         if ckpt is not None:
             assert ckpt.position == position, f"{ckpt!r} found for position {position}"
-            if ckpt.reason is Reason.PERIODIC:
+            if ckpt.reason is CheckpointReason.PERIODIC:
                 ckpt.reason = reason
             return ckpt, False
         ckpt = Checkpoint(self._next_id, key, anchor, tail, position, reason, payload, nbytes)
@@ -112,7 +112,7 @@ class CheckpointStore(GroupedStore):
             start = i * bs
             for ckpt in list(self.at(anchor)):
                 if (
-                    ckpt.reason is Reason.PERIODIC
+                    ckpt.reason is CheckpointReason.PERIODIC
                     and ckpt.ref_cnt == 0
                     and ckpt.position < newest.position
                     and tokens[start : start + len(ckpt.tail)] == ckpt.tail

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from engine_bridge.cache.evictions import EvictionRecord
 from engine_bridge.cache.hashing import BLOCK_SIZE, BlockHash, Chain
-from engine_bridge.cache.kinds import EntryKind, Reason
+from engine_bridge.cache.kinds import CheckpointReason, EntryKind
 from engine_bridge.cache.ram.checkpoints import Checkpoint, CheckpointStore
 from engine_bridge.cache.ram.matching import Match, find_match
 from engine_bridge.cache.ram.pool import Block, BlockPool, FreeQueue
@@ -221,11 +221,11 @@ class CacheManager:
         return InsertResult(inserted, deduped, evicted=len(evicted))
 
     def insert_checkpoint(
-        self, chain: Chain, position: int, payload: object, reason: Reason
+        self, chain: Chain, position: int, payload: object, reason: CheckpointReason
     ) -> InsertResult:
         """Store the state after `position` tokens of `chain`, then thin periodic checkpoints
         on its path."""
-        assert isinstance(reason, Reason), f"checkpoint reason {reason!r} is not a Reason"
+        assert isinstance(reason, CheckpointReason), f"checkpoint reason {reason!r} is not a CheckpointReason"
         assert 0 < position <= len(chain), f"checkpoint at {position} of {len(chain)} tokens"
         assert chain.block_size == self.block_size, f"chain of {chain.block_size}-token blocks"
         nbytes = _payload_nbytes(payload)

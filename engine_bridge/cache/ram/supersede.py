@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine_bridge.cache.hashing import BlockHash, Chain
-from engine_bridge.cache.kinds import Reason
+from engine_bridge.cache.kinds import CheckpointReason
 from engine_bridge.cache.ram.checkpoints import Checkpoint, CheckpointStore
 from engine_bridge.cache.ram.pool import BlockPool
 
@@ -53,7 +53,7 @@ def superseded_by(
     """The unreferenced, not yet superseded checkpoints on `chain` before `newest` that no
     branch needs, and the tips of branches this conversation left (module doc);
     generation-end checkpoints supersede nothing."""
-    if newest.reason is Reason.GENERATION_END:
+    if newest.reason is CheckpointReason.GENERATION_END:
         return []
     bs, tokens, q = chain.block_size, chain.tokens, newest.position
     on_path: list[Checkpoint] = []
@@ -70,7 +70,7 @@ def superseded_by(
             if common == len(ckpt.tail):
                 if ckpt.position < q:
                     on_path.append(ckpt)
-            elif ckpt.reason is not Reason.GENERATION_END and not ckpt.superseded:
+            elif ckpt.reason is not CheckpointReason.GENERATION_END and not ckpt.superseded:
                 branches.append((start + common, [ckpt]))
         own = chain.hashes[a] if a < len(chain.hashes) else None
         for child in pool.children(anchor):
@@ -84,10 +84,10 @@ def superseded_by(
     # The shallowest message boundary stays: where the system prompt and tools end, the
     # point every other session of the same project leaves this path (most of them
     # arrive after this one has grown, when no branch is there yet to protect it).
-    first = next((c for c in on_path if c.reason is Reason.BOUNDARY), None)
+    first = next((c for c in on_path if c.reason is CheckpointReason.BOUNDARY), None)
     if first is not None:
         keep.add(id(first))
-    elif newest.reason is Reason.BOUNDARY:
+    elif newest.reason is CheckpointReason.BOUNDARY:
         newest.first_boundary = True
     tips: list[Checkpoint] = []
     for b, live in branches:
@@ -110,10 +110,10 @@ def _left_tip(
     conversation had gone past its first message before the fork (a checkpoint other
     than a periodic one between the first boundary and the fork), so the branch is not
     another session that shares only the system prompt."""
-    if first is None or any(c.reason is Reason.BOUNDARY for c in live):
+    if first is None or any(c.reason is CheckpointReason.BOUNDARY for c in live):
         return False
     return any(
-        first.position < c.position <= at and c.reason is not Reason.PERIODIC for c in on_path
+        first.position < c.position <= at and c.reason is not CheckpointReason.PERIODIC for c in on_path
     )
 
 
@@ -131,7 +131,7 @@ def _live_checkpoints(
         live += [
             c
             for c in checkpoints.at(h)
-            if c.reason is not Reason.GENERATION_END and not c.superseded
+            if c.reason is not CheckpointReason.GENERATION_END and not c.superseded
         ]
         stack.extend(child.hash for child in pool.children(h))
     return live

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine_bridge.cache.checkpoint_writes import has_snapshots
 from engine_bridge.cache.hashing import Chain
-from engine_bridge.cache.kinds import EntryKind, Reason
+from engine_bridge.cache.kinds import CheckpointReason, EntryKind
 from engine_bridge.cache.shared.config import SharedWritePolicy
 from engine_bridge.cache.ssd.index import Scope
 from engine_bridge.cache.ssd.store import SSDEntry, SSDStore
@@ -43,7 +43,7 @@ _BLOCK_STEP = 64
 # the deepest block (the usual case) costs one small pipeline.
 _CHECKPOINT_STEP = 64
 # Host bytes of an entry with its tier metadata (tier_writes.TierWrites._host).
-Host = Callable[[Any, int, Reason | None], tuple[dict[str, HostTensor], dict[str, str]]]
+Host = Callable[[Any, int, CheckpointReason | None], tuple[dict[str, HostTensor], dict[str, str]]]
 
 
 class SharedTier:
@@ -124,11 +124,11 @@ class SharedTier:
             if not self._share(stored[i], EntryKind.BLOCK, chain.hashes[i], chain.block_size):
                 break
 
-    def stored_checkpoint(self, chain: Chain, entry: Entry | None, reason: Reason) -> None:
+    def stored_checkpoint(self, chain: Chain, entry: Entry | None, reason: CheckpointReason) -> None:
         """A checkpoint just stored in RAM (`entry`, None if RAM did not keep it)."""
         if entry is None or entry.superseded or self.policy is SharedWritePolicy.SECOND_USE:
             return
-        if reason is Reason.GENERATION_END and has_snapshots(entry.payload.payload):
+        if reason is CheckpointReason.GENERATION_END and has_snapshots(entry.payload.payload):
             return  # the model's own output: a next turn rarely sends it back verbatim
         if not self._within_first_n(chain, entry.position):
             return
@@ -164,7 +164,7 @@ class SharedTier:
         kind: EntryKind,
         key: bytes,
         tokens: int,
-        reason: Reason | None = None,
+        reason: CheckpointReason | None = None,
         skip: Callable[[], bool] | None = None,
     ) -> bool:
         """Queue one entry unless the store has it; False when the store takes no more now

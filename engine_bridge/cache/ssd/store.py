@@ -36,7 +36,7 @@ from engine_bridge.cache.ssd.types import (
     SSDStats,
 )
 from engine_bridge.cache.ssd.wear import WEAR_FILE, WearMeter
-from engine_bridge.cache.ssd.writer import Job, Writer
+from engine_bridge.cache.ssd.writer import WriteJob, Writer
 from engine_bridge.cache.tensors import HostTensor
 
 __all__ = [
@@ -131,7 +131,7 @@ class SSDStore:
             return "dropped"  # today's write cap is reached; reads go on
         rid = (scope.model, scope.tenant, kind, key)
         nbytes = sum(t.nbytes for t in tensors.values())
-        job = Job(rid, dict(tensors), dict(meta or {}), tokens, tags, reason, nbytes, skip)
+        job = WriteJob(rid, dict(tensors), dict(meta or {}), tokens, tags, reason, nbytes, skip)
         admission = self._writer.submit(job)
         if admission == "closed":
             return self._count("disabled_drops", "disabled")
@@ -351,7 +351,7 @@ class SSDStore:
         finally:
             self._watch.close()
 
-    def _process(self, job: Job) -> None:
+    def _process(self, job: WriteJob) -> None:
         try:
             with self._io_lock:
                 self._watch.check()
@@ -360,7 +360,7 @@ class SSDStore:
             log.exception("SSD cache: writing entry %s failed", job.rid[3].hex())
             self._count("write_errors", None)
 
-    def _write(self, job: Job) -> None:
+    def _write(self, job: WriteJob) -> None:
         index = self._index
         if self._disabled_reason is not None or index is None:
             self._count("disabled_drops", None)

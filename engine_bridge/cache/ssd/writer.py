@@ -25,7 +25,7 @@ Admission = Literal["queued", "duplicate", "dropped", "closed"]
 
 
 @dataclass(frozen=True, slots=True)
-class Job:
+class WriteJob:
     rid: RawId
     tensors: dict[str, HostTensor]
     meta: dict[str, str]
@@ -41,10 +41,10 @@ class Writer:
     def __init__(
         self,
         *,
-        process: Callable[[Job], None],
+        process: Callable[[WriteJob], None],
         maintain: Callable[[], None],
         startup: Callable[[], None],
-        on_drop: Callable[[Job], None],
+        on_drop: Callable[[WriteJob], None],
         on_exit: Callable[[], None],
         tick: Callable[[], None] | None = None,
         queue_size: int,
@@ -53,7 +53,7 @@ class Writer:
     ) -> None:
         self._process, self._maintain, self._startup = process, maintain, startup
         self._on_drop, self._on_exit, self._tick = on_drop, on_exit, tick
-        self._queue: queue.Queue[Job | None] = queue.Queue(queue_size)
+        self._queue: queue.Queue[WriteJob | None] = queue.Queue(queue_size)
         self._max_bytes = queue_max_bytes
         self._interval = interval_s
         self._lock = threading.Lock()
@@ -74,7 +74,7 @@ class Writer:
         """About how many more jobs `submit` would take now (by count, not bytes)."""
         return max(0, self._queue.maxsize - len(self._pending))
 
-    def submit(self, job: Job) -> Admission:
+    def submit(self, job: WriteJob) -> Admission:
         """Queue a job without ever waiting for room."""
         with self._lock:
             if self._stopping.is_set():
@@ -156,7 +156,7 @@ class Writer:
                 self._on_drop(job)
                 self._done(job)
 
-    def _done(self, job: Job) -> None:
+    def _done(self, job: WriteJob) -> None:
         with self._idle:
             self._pending.discard(job.rid)
             self._queued_bytes -= job.nbytes
