@@ -37,9 +37,9 @@ from ..cache.kinds import SavePoint
 from ..logctx import request_id
 from ..models.loading import LoadedModel
 from ..types import GenerationRequest, GenerationResult, PromptInfo
+from .decoding import Decoding
 from .fair_queue import FairQueue
 from .jobs import CacheSession, Event, Failed, Job, Pending
-from .sampling import greedy_tokens, sample_rows
 from .sequence import Seq
 from .speculation.control import Mode, Speculation
 from .speculation.mtp import MTPDrafter
@@ -59,7 +59,7 @@ __all__ = ["CacheSession", "Event", "Job", "Runner", "common_prefix"]
 # --- one model ------------------------------------------------------------------------------
 
 
-class Runner:
+class Runner(Decoding):
     """One model's requests: a fair wait queue, sequences in prefill, and a decode batch."""
 
     def __init__(
@@ -370,172 +370,6 @@ class Runner:
             return
         seq.cache = []  # the batch holds it now
         self.running.append(seq)
-
-    def _decode(self) -> bool:
-        """Take one decode step's tokens, and leave the next step computing.
-
-        The next step is launched as soon as this one's tokens are known (`mx.async_eval`),
-        so the model computes while this thread hands out events, admits and prefills.
-        Anything that changes the batch first `_settle`s the step in flight.
-        """
-        if not self.running:
-            return False
-        if len(self.running) == 1 and self.running[0].spec is not None:
-            return self._decode_speculating(self.running[0])
-        if len(self.running) > 1 and any(s.spec is not None for s in self.running):
-            # Rows would accept different lengths: one token each this step instead.
-            self.scheduler.stats.spec_paused_steps += 1
-        if self._inflight is None:
-            self._launch()
-        self._collect()
-        if self.running:
-            self._launch()
-        return True
-
-    def _decode_speculating(self, seq: Seq) -> bool:
-        """The lone running sequence: verify a draft when its drafter has one, else decode
-        one token, leaving that step in flight as `_decode` does."""
-        if self._inflight is not None:
-            self._collect()
-            if not self.running:
-                return True
-        drafts = seq.spec.draft(seq.out, seq.job.max_tokens - len(seq.out) - 1)
-        if drafts:
-            self._verify(seq, drafts)
-        else:
-            self._launch()
-        return True
-
-    def _verify(self, seq: Seq, drafts: list[int]) -> None:
-        """Feed the next input and the drafts in one pass; keep the longest prefix the model
-        agrees with and the model's own token after it; go back to exactly that state.
-
-        Each position's token is chosen as plain decode would choose it: greedy takes the
-        argmax; sampling keeps a draft by the acceptance rule (speculation/acceptance.py);
-        penalties and output rules see the tokens accepted before that position. So the
-        stream that stop strings, max_tokens and the parsers see is what plain decode makes.
-        """
-        stats = self.scheduler.stats
-        t0 = time.perf_counter()
-        cache = self.batch.cache
-        inputs = [seq.next_input, *drafts]
-        at = seq.fed  # where inputs[0] goes
-        sampler = seq.sampler
-        head = seq.mtp
-        try:
-            rewind = kv.Rewind(cache)
-            if head is None:
-                logits = self.loaded.model(mx.array(inputs)[None], cache=cache)[0]
-            else:
-                logits, hidden = head.forward(mx.array(inputs)[None], cache)
-                logits = logits[0]
-            plain = sampler.greedy and not sampler.processors and sampler.rule is None
-            targets = greedy_tokens(logits).tolist() if plain else None
-            if targets is None:
-                mx.eval(logits)
-            committed = accepted = 0
-            finished = False
-            for i in range(len(inputs)):
-                draft = drafts[i] if i < len(drafts) else None
-                if targets is not None:
-                    tok, kept = targets[i], targets[i] == draft
-                else:
-                    tok, kept = sampler.pick(logits[i : i + 1], seq.history, draft)
-                committed += 1
-                accepted += kept
-                request_id.set(seq.job.request.request_id or "-")
-                if seq.accept(tok):
-                    finished = True
-                    break
-                if not kept:
-                    break
-            if rewind.to(fed=len(inputs), keep=committed):
-                self.loaded.model(mx.array(inputs[:committed])[None], cache=cache)
-                stats.spec_replays += 1
-            if head is not None and not finished:
-                # The head learns the accepted positions only: each one's hidden state from
-                # this pass (causal: what followed it does not change it) and its token.
-                head.feed(hidden[:, :committed], seq.out[-committed:], at=at)
-            mx.eval([c.state for c in cache], head.state if head is not None else [])
-        except BaseException as e:
-            self._fail_running(e)
-            return
-        seq.spec.update(len(drafts), accepted)
-        stats.decode_s += time.perf_counter() - t0
-        stats.decode_steps += 1
-        stats.decode_rows += 1
-        stats.decode_tokens += committed
-        stats.spec_rounds += 1
-        stats.spec_drafted += len(drafts)
-        stats.spec_accepted += accepted
-        stats.largest_batch = max(stats.largest_batch, 1)
-        if finished:
-            self._retire([0])
-
-    def _launch(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            inputs = mx.array([[s.next_input] for s in self.running])
-            # A lone sequence drafting with an MTP head feeds it this step's hidden state
-            # and token; in a batched step its head falls out of step and starts over.
-            lone = self.running[0] if len(self.running) == 1 else None
-            head = lone.mtp if lone is not None else None
-            if head is None:
-                # A vision model's rows shift their positions by their prompt's image layout.
-                extra = {} if self.loaded.vision is None else {"rope_deltas": self._rope_deltas()}
-                logits = self.loaded.model(inputs, cache=self.batch.cache, **extra)[:, -1, :]
-                for s in self.running:
-                    if s.mtp is not None:
-                        s.mtp.lose_step()
-            else:
-                logits, hidden = head.forward(inputs, self.batch.cache)
-                logits = logits[:, -1, :]
-            toks = sample_rows(
-                logits, [s.sampler for s in self.running], [s.history for s in self.running]
-            )
-            if head is None:
-                mx.async_eval(toks)
-            else:
-                head.feed(hidden, toks, at=lone.fed)
-                mx.async_eval(toks, head.state)
-        except BaseException as e:
-            self._fail_running(e)
-            return
-        self._inflight = toks
-        self.scheduler.stats.decode_s += time.perf_counter() - t0
-
-    def _rope_deltas(self) -> list[int]:
-        return [s.job.prompt.vision.rope_delta if s.job.prompt.vision else 0 for s in self.running]
-
-    def _collect(self) -> None:
-        """Wait for the step in flight, hand out its tokens, retire finished rows."""
-        toks, self._inflight = self._inflight, None
-        if toks is None:
-            return
-        stats = self.scheduler.stats
-        t0 = time.perf_counter()
-        try:
-            values = toks.tolist()
-        except BaseException as e:
-            self._fail_running(e)
-            return
-        stats.decode_s += time.perf_counter() - t0
-        stats.decode_steps += 1
-        stats.decode_tokens += len(self.running)
-        stats.decode_rows += len(self.running)
-        stats.largest_batch = max(stats.largest_batch, len(self.running))
-        finished = []
-        for row, (seq, tok) in enumerate(zip(self.running, values, strict=True)):
-            request_id.set(seq.job.request.request_id or "-")
-            if seq.accept(tok):
-                finished.append(row)
-        if finished:
-            self._retire(finished)
-
-    def _settle(self) -> None:
-        """Finish the step in flight before the batch changes (a join, a cancel)."""
-        if self._inflight is not None:
-            self._collect()
 
     def _fail_running(self, error: BaseException) -> None:
         failed, self.running = self.running, []

@@ -7,6 +7,6 @@
 - `acceptance`: the rule that keeps the output the model's own, greedy or sampled.
 - `control`: how many tokens to draft for a sequence, from its running acceptance.
 
-The verify pass itself runs in the scheduler (runner.py), and going back to the accepted
+The runner decides when a sequence verifies; `verify` runs the pass, and going back to the accepted
 prefix is the caches' business (kv/rollback.py).
 """
