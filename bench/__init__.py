@@ -121,30 +121,10 @@ def command_line(args: argparse.Namespace, names: list[str]) -> str:
     return " ".join(parts)
 
 
-def resolve_model(spec: str, models_dir: Path, shape: str | None = None):
-    """A ModelSpec for a demo id, a shape to build, or an MLX model directory."""
-    from engine_bridge.models.demo import is_demo_model
-
-    from .harness import probe
-    from .servers import ModelSpec
-
-    if shape:
-        built = probe("shape", shape, str(models_dir.parent))
-        path = Path(built["path"])
-        return ModelSpec(path.name, path, is_demo=False)
-    if is_demo_model(spec):
-        built = probe("demo", spec, str(models_dir.parent))
-        return ModelSpec(spec, Path(built["path"]), is_demo=True)
-    path = Path(spec).expanduser().resolve()
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"--model {spec}: not a demo id and not an MLX model directory")
-    return ModelSpec(path.name, path, is_demo=False)
-
-
 def run(args: argparse.Namespace) -> int:
     from . import report
     from .harness import Settings
-    from .scenarios import run_one
+    from .scenarios.registry import run_one
 
     names = scenario_names(args.scenarios)
     out: Path = args.out.resolve()
@@ -159,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{time.perf_counter() - started:7.1f}s {line}", file=sys.stderr, flush=True)
 
     progress(f"[bench] preparing models in {models_dir}")
+    from .harness import resolve_model
+
     model = resolve_model(args.model, models_dir, args.shape)
     hybrid = [resolve_model(m, models_dir) for m in args.hybrid_models] if "hybrid" in names else []
     from .corpus import digest

@@ -206,3 +206,21 @@ def chars_per_token(model: ModelSpec) -> float:
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     start = time.perf_counter()
     return fn(), time.perf_counter() - start
+
+
+def resolve_model(spec: str, models_dir: Path, shape: str | None = None):
+    """A ModelSpec for a demo id, a shape to build, or an MLX model directory."""
+    from engine_bridge.models.demo import is_demo_model
+
+
+    if shape:
+        built = probe("shape", shape, str(models_dir.parent))
+        path = Path(built["path"])
+        return ModelSpec(path.name, path, is_demo=False)
+    if is_demo_model(spec):
+        built = probe("demo", spec, str(models_dir.parent))
+        return ModelSpec(spec, Path(built["path"]), is_demo=True)
+    path = Path(spec).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model {spec}: not a demo id and not an MLX model directory")
+    return ModelSpec(path.name, path, is_demo=False)

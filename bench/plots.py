@@ -138,7 +138,7 @@ def _bars(ax, values: dict, ylabel: str, title: str) -> None:
 
 
 def _concurrency(plt, path: Path, results: list[ScenarioResult]):
-    from .concurrency import HOL_ROW, SESSIONS, SESSIONS_ROW, SHORTS, STREAMS, STREAMS_ROW
+    from .scenarios.concurrency import HOL_ROW, SESSIONS, SESSIONS_ROW, SHORTS, STREAMS, STREAMS_ROW
 
     panels = (
         (HOL_ROW, "TTFT (s)", f"{SHORTS} short requests behind a long prompt"),

@@ -1,4 +1,4 @@
-"""A real `redis-server` for the shared tier's tests (bench/shared_redis.py starts it).
+"""A real `redis-server` for the shared tier's tests (bench/scenarios/shared_redis.py starts it).
 
 Tests skip, saying why, only when the binary is absent (`.ci/run` installs Debian's
 package; on a Mac, `brew install redis`).
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.shared_redis import REDIS_SERVER, RedisServer
+from bench.scenarios.shared_redis import REDIS_SERVER, RedisServer
 
 __all__ = ["REDIS_SERVER", "RedisServer", "redis_fixture", "redis_server_fixture"]
 SKIP_REASON = "redis-server is not installed (apt-get install redis-server; brew install redis)"

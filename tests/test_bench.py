@@ -14,15 +14,16 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter
 
-from bench import SCENARIOS, concurrency, scenario_names, speculative, traces
+from bench import SCENARIOS, scenario_names, traces
 from bench.agent_tools import TOOL_NAMES
 from bench.harness import Settings
 from bench.plots import plot_all
 from bench.prerequisites import skip_reason
 from bench.report import details, main_table, to_json
-from bench.scenarios import run_one
+from bench.scenarios import concurrency, speculative
+from bench.scenarios.registry import run_one
+from bench.scenarios.ssd_reload import bench_startup, run
 from bench.servers import KINDS, ModelSpec
-from bench.ssd_reload import bench_startup, run
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUICK_SCENARIOS = ("chat", "agent", "share", "overhead", "restart")
@@ -358,8 +359,8 @@ def test_shared_scenario_names_whichever_redis_part_is_missing(tmp_path, monkeyp
 
 def test_bench_imports_no_optional_package_until_a_scenario_needs_it():
     code = (
-        "import sys, bench, bench.report, bench.plots, bench.scenarios;"
-        " bench.build_parser(); bench.scenarios.registry();"
+        "import sys, bench, bench.report, bench.plots, bench.scenarios.registry;"
+        " bench.build_parser(); bench.scenarios.registry.registry();"
         f" print(sorted(m for m in sys.modules if m.split('.')[0] in {OPTIONAL_MODULES!r}))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT,

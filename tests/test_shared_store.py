@@ -14,8 +14,8 @@ import time
 import pytest
 from safetensors.numpy import load as load_safetensors
 
-from bench.shared_redis import make_certs
-from bench.shared_relay import DelayRelay
+from bench.scenarios.shared_redis import make_certs
+from bench.scenarios.shared_relay import DelayRelay
 from engine_bridge.cache.kinds import EntryKind
 from engine_bridge.cache.shared.config import SharedConfig, redacted
 from engine_bridge.cache.shared.store import SharedStore

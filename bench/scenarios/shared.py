@@ -19,10 +19,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from . import servers, traces
-from .harness import Harness, Settings, chars_per_token, stats
-from .results import Row, ScenarioResult, ratio
-from .servers import ModelSpec, Server
+from .. import servers, traces
+from ..harness import Harness, Settings, chars_per_token, stats
+from ..results import Row, ScenarioResult, ratio
+from ..servers import ModelSpec, Server
 from .shared_redis import RedisServer
 from .shared_relay import DelayRelay
 

@@ -12,10 +12,10 @@ import re
 import subprocess
 from pathlib import Path
 
-from . import traces
-from .harness import Harness, Settings, chars_per_token, stats
-from .results import Row, ScenarioResult, ratio
-from .servers import ModelSpec
+from .. import traces
+from ..harness import Harness, Settings, chars_per_token, stats
+from ..results import Row, ScenarioResult, ratio
+from ..servers import ModelSpec
 
 _DD_RATE = re.compile(r"([\d.,]+)\s*([kKMGT]?i?B)/s")
 _BSD_RATE = re.compile(r"\((\d+) bytes/sec\)")  # macOS dd

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 
-from . import traces
-from .harness import Harness, Settings, chars_per_token, probe
-from .results import Row, Sample, ScenarioResult, median, ratio
-from .servers import ModelSpec
+from .. import traces
+from ..harness import Harness, Settings, chars_per_token, probe
+from ..results import Row, Sample, ScenarioResult, median, ratio
+from ..servers import ModelSpec
 
 
 def overhead(settings: Settings, model: ModelSpec) -> ScenarioResult:

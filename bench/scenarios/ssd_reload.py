@@ -2,7 +2,7 @@
 
 Pure SSD store code, no model and no server. Run it as
 
-    .venv/bin/python -m bench.ssd_reload [--entries 100000] [--reload-entries 16] [--mb 64]
+    .venv/bin/python -m bench.scenarios.ssd_reload [--entries 100000] [--reload-entries 16] [--mb 64]
 
 BENCH_DIR picks the disk it runs on (default: the system temp folder). It prints one JSON
 object; nothing asserts wall time.
@@ -121,7 +121,7 @@ def run(entries: int = 100_000, reload_entries: int = 16, mb: int = 64) -> dict[
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.ssd_reload", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.scenarios.ssd_reload", description=__doc__)
     p.add_argument("--entries", type=int, default=100_000, help="index size at startup")
     p.add_argument("--reload-entries", type=int, default=16, help="entries read back")
     p.add_argument("--mb", type=int, default=64, help="size of each entry read back, MiB")

@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from . import traces
-from .harness import Harness, Settings, chars_per_token, probe, stats
-from .prerequisites import skip_reason
-from .results import Row, ScenarioResult, mean, ratio, total
-from .servers import KINDS, ModelSpec
+from .. import traces
+from ..harness import Harness, Settings, chars_per_token, probe, stats
+from ..prerequisites import skip_reason
+from ..results import Row, ScenarioResult, mean, ratio, total
+from ..servers import KINDS, ModelSpec
 
 NEW_ONLY_NOTE = (
     "new-only = TTFT of the --no-cache server for a prompt made of just the turn's new "

@@ -11,7 +11,7 @@ the medians are reported.
 
 Decode speed is (completion tokens - 1) / (generation time - TTFT), from the engine's own
 GenerationResult. The engine runs in-process in a process of its own (`python -m
-bench.speculative`): the bench process never imports mlx, and the forced output is read
+bench.scenarios.speculative`): the bench process never imports mlx, and the forced output is read
 from the environment when the Engine is built.
 """
 
@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .results import Number, Row, Sample, ScenarioResult, median, ratio
-from .servers import REPO
+from ..results import Number, Row, Sample, ScenarioResult, median, ratio
+from ..servers import REPO
 
 MODELS = ("demo-llama", "demo-hybrid", "demo-swa")
 CONFIGS = ("off", "lookup", "oracle", "wrong")
@@ -206,15 +206,11 @@ def _progress(line: str) -> None:
 
 
 async def _generate(engine, req):
-    from engine_bridge.types import GenerationResult
-
-    runner, job = await engine.prepare(req)
-    result = None
-    async for event in engine.run(runner, job):
-        if isinstance(event, GenerationResult):
-            result = event
-    assert result is not None, req.model
-    return result
+    stream = await engine.start(req)
+    async for _ in stream:
+        pass
+    assert stream.result is not None, req.model
+    return stream.result
 
 
 def measure_model(model_id: str, root: Path, case: Case, sizes: Sizes) -> dict[str, Any]:
@@ -241,7 +237,7 @@ def measure_model(model_id: str, root: Path, case: Case, sizes: Sizes) -> dict[s
 async def _measure(engine, model_id: str, case: Case, sizes: Sizes) -> dict[str, Any]:
     from engine_bridge.types import GenerationRequest, Message, Sampling
 
-    tokenizer = (await engine.runner(model_id)).loaded.tokenizer
+    tokenizer = (await engine.load(model_id)).tokenizer
     # What the forced-output rule scripts, then end of sequence (output_rules.py).
     truth = list(tokenizer.encode(case.edited, add_special_tokens=False))
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -291,7 +287,7 @@ def scenario(settings, model, sizes: Sizes | None = None) -> list[ScenarioResult
     # Reuse the bench's demo builds when --model is one; else build them under --out.
     root = model.path.parent.parent if model.is_demo else settings.out
     out = settings.out / "work" / "speculative" / "speculative.json"
-    cmd = [sys.executable, "-m", "bench.speculative", "--root", str(root), "--out", str(out),
+    cmd = [sys.executable, "-m", "bench.scenarios.speculative", "--root", str(root), "--out", str(out),
            "--seed", str(settings.seed), "--lines", str(sizes.lines),
            "--span-tokens", str(sizes.span_tokens), "--repeats", str(sizes.repeats)]  # fmt: skip
     settings.progress(f"[speculative] {', '.join(MODELS)}: {sizes.repeats} interleaved runs of "
@@ -306,7 +302,7 @@ def scenario(settings, model, sizes: Sizes | None = None) -> list[ScenarioResult
             settings.progress("[speculative] " + line.removeprefix("speculative: ").rstrip())
     if proc.wait() != 0 or not out.is_file():
         failed = ScenarioResult("speculative", ",".join(MODELS))
-        failed.errors.append(f"bench.speculative exited {proc.returncode}: {''.join(tail)}")
+        failed.errors.append(f"bench.scenarios.speculative exited {proc.returncode}: {''.join(tail)}")
         return [failed.finish()]
     answer = json.loads(out.read_text())
     return [summarize(answer, m) for m in answer["models"]]
@@ -394,7 +390,7 @@ def _fmt(value: Number) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.scenarios.speculative", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--models", default=",".join(MODELS), help="comma separated demo ids")
     p.add_argument("--root", type=Path, required=True, help="holds (or gets) models/")

@@ -23,10 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from . import corpus, traces
-from .harness import Harness, Settings, chars_per_token
-from .results import Row, Sample, ScenarioResult, mean, ratio, total
-from .servers import KINDS, Kind, ModelSpec, Server
+from .. import corpus, traces
+from ..harness import Harness, Settings, chars_per_token
+from ..results import Row, Sample, ScenarioResult, mean, ratio, total
+from ..servers import KINDS, Kind, ModelSpec, Server
 
 SHORTS = 3
 STREAMS = 8

@@ -14,10 +14,10 @@ import io
 import random
 from typing import Any
 
-from . import traces
-from .harness import Harness, Settings, stats
-from .results import Row, ScenarioResult, mean, ratio
-from .servers import ModelSpec
+from .. import traces
+from ..harness import Harness, Settings, stats
+from ..results import Row, ScenarioResult, mean, ratio
+from ..servers import ModelSpec
 
 KINDS = ("ours", "nocache", "mlx_vlm")
 IMAGE_TURN = 1  # 0-based: the second user turn
@@ -59,7 +59,7 @@ def _messages(trace: traces.ChatTrace, turn: int, data_url: str) -> list[dict[st
 def vision(settings: Settings, model: ModelSpec) -> ScenarioResult:
     from engine_bridge.vision.prompt import vision_status
 
-    from . import resolve_model
+    from ..harness import resolve_model
 
     # mlx-vlm is installed: run_one skips this scenario otherwise (prerequisites.NEEDS).
     if vision_status(_config(model)) != "yes":

@@ -1,7 +1,7 @@
 """SSD wear per agent session: bytes written and RAM held under each write policy, and the
 hit a restart keeps.
 
-Run as `python -m bench.wear --model demo-hybrid --out DIR` (or `--shape qwen3.6-35b-a3b`
+Run as `python -m bench.scenarios.wear --model demo-hybrid --out DIR` (or `--shape qwen3.6-35b-a3b`
 for a layer-scaled build of that shape: real per-layer dimensions, fewer layers and
 experts, unquantized, its bytes scaled by the layer count). Each row also prices its entry
 counts at qwen3.6-35b-a3b's entry sizes (`scaled`), with the issue's target, 1.5 x (final
@@ -25,7 +25,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from . import traces
+from .. import traces
 
 # Layer-scaled shape: 3 Gated DeltaNet layers and 1 attention layer (the real 30 + 10 over
 # 4), 8 experts of 2 per token instead of 256 of 8; everything per layer is the real one.
@@ -108,15 +108,10 @@ def _request(body: dict[str, Any], model: str, max_tokens: int):
 
 
 async def _send(engine, req) -> tuple[int, int]:
-    from engine_bridge.types import PromptInfo
-
-    runner, job = await engine.prepare(req)
-    info = None
-    async for event in engine.run(runner, job):
-        if isinstance(event, PromptInfo):
-            info = event
-    assert info is not None
-    return info.prompt_tokens, info.cached_tokens
+    stream = await engine.start(req)
+    async for _ in stream:
+        pass
+    return stream.prompt_tokens, stream.cached_tokens
 
 
 def _progress(line: str) -> None:
@@ -250,7 +245,7 @@ def run_policy(policy: str, model_spec: str, model_id: str, root: Path, args) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.wear", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.scenarios.wear", description=__doc__)
     p.add_argument("--model", default="demo-hybrid")
     p.add_argument("--shape", help="build this shape layer-scaled instead of --model")
     p.add_argument("--policies", default="through,evict,second-use")
@@ -311,18 +306,18 @@ def scenario(settings, model) -> Any:
     the engine needs), priced at the qwen3.6-35b-a3b entry sizes, in the bench report."""
     import subprocess
 
-    from .results import Row, ScenarioResult, ratio
+    from ..results import Row, ScenarioResult, ratio
 
     hybrid = "demo-hybrid"
     result = ScenarioResult("wear", hybrid)
     turns = settings.size(12, 50)
     out = settings.out / "wear"
-    cmd = [sys.executable, "-m", "bench.wear", "--model", hybrid, "--turns", str(turns)]
+    cmd = [sys.executable, "-m", "bench.scenarios.wear", "--model", hybrid, "--turns", str(turns)]
     cmd += ["--out", str(out), "--label", "bench", "--seed", str(settings.seed)]
     settings.progress(f"[wear] {turns}-turn session per write policy on {hybrid}")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        result.errors.append(f"bench.wear exited {proc.returncode}: {proc.stderr[-500:]}")
+        result.errors.append(f"bench.scenarios.wear exited {proc.returncode}: {proc.stderr[-500:]}")
         return result.finish()
     rows = json.loads((out / "wear-bench.json").read_text())["rows"]
     gb = 1e9
@@ -355,6 +350,6 @@ def scenario(settings, model) -> Any:
     result.notes.append(
         "Entry counts from demo-hybrid, priced at qwen3.6-35b-a3b's sizes: a 64-token block "
         f"{s['final_kv'] // max(1, rows[0]['final_prompt_tokens'] // BLOCK_TOKENS):,} B, "
-        f"a checkpoint {s['checkpoint']:,} B (python -m bench.wear; README, SSD wear)."
+        f"a checkpoint {s['checkpoint']:,} B (python -m bench.scenarios.wear; README, SSD wear)."
     )
     return result.finish()

@@ -2,7 +2,7 @@
 loaded, answers once, and is unloaded; the process's RSS and MLX's allocator are read at
 each step.
 
-    .venv/bin/python -m bench.unload_memory [--hidden 768] [--layers 6]
+    .venv/bin/python -m bench.scenarios.unload_memory [--hidden 768] [--layers 6]
 
 The model is demo-llama widened (random weights, float32), so no download is needed.
 """
@@ -68,10 +68,8 @@ async def measure(path: Path, cache_dir: Path) -> dict[str, int]:
         max_tokens=8,
         sampling=Sampling(temperature=0.0),
     )
-    runner, job = await engine.prepare(req)
-    async for _ in engine.run(runner, job):
+    async for _ in await engine.start(req):
         pass
-    del runner, job
     figures["rss_loaded"] = rss()
     figures |= {f"{k}_loaded": v for k, v in mlx_memory().items() if k.startswith("mlx_")}
     assert await engine.unload_idle(0.0) == [model_id]
