@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not heap.usage(), reason="needs glibc (mallinfo2
 # print how many bytes of it went to an mmapped chunk rather than the heap arena.
 PROBE = """
 import ctypes, ctypes.util, sys
-from engine_bridge import heap
+from engine_bridge.ops import heap
 if sys.argv[1] == "tune":
     assert heap.tune()
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
@@ -45,7 +45,7 @@ def test_a_tuned_threshold_keeps_large_blocks_out_of_the_heap_after_a_large_free
 
 
 def test_a_threshold_the_user_set_is_left_alone():
-    code = "from engine_bridge import heap; print(heap.tune())"
+    code = "from engine_bridge.ops import heap; print(heap.tune())"
     env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == "False"
