@@ -4,9 +4,10 @@ Two sources, so nothing is counted twice:
 
 - per request, as the engine finishes it (`Engine.result_listeners`): counters and
   histograms labelled by model, tenant and cache source;
-- at scrape time, `EngineCollector` reads `Engine.stats()` and the session registry: the
-  tiers' totals (evictions, SSD bytes written and read, drops, quarantine) and levels
-  (bytes, entries, budgets, sessions, the scheduler's queue).
+- at scrape time, `EngineCollector` reads `Engine.stats()` and the session registry.
+  `stats_families` walks every numeric field of the stats (the engine's stats dataclasses,
+  nested: requests, scheduler, memory, RAM, SSD, shared, writes, vision), so each counter
+  of /v1/cache/stats is on /metrics too; metric_names says how a field is named and typed.
 
 Label values are bounded: a model is one this process serves, a tenant one of the first
 `MAX_TENANT_LABELS` seen (tenants named in [tenants] api_keys always have their own), and
@@ -32,7 +33,8 @@ from engine_bridge.types import GenerationRequest, GenerationResult
 
 from ..security import PASSTHROUGH_ROUTE, POLICY, api_key
 from ..state import ENGINE, SETTINGS
-from .metrics_shared import shared_metrics
+from .metric_names import LABELLED, Path, is_labelled, series, skipped
+from .metrics_shared import shared_histograms
 
 PREFIX = "mlx_prompt_cache"
 MAX_TENANT_LABELS = 32
@@ -135,13 +137,9 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats()
-        yield from request_totals(stats["requests"])
-        yield from ram_metrics(stats["ram"])
-        if stats.get("ssd") is not None:
-            yield from ssd_metrics(stats["ssd"])
+        yield from stats_families(stats)
         if stats.get("shared") is not None:
-            yield from shared_metrics(stats["shared"])
-        yield from scheduler_metrics(stats["scheduler"])
+            yield from shared_histograms(stats["shared"])
         yield reason_metric(self.engine.request_log.reason_totals(), self.engine.has_model)
         yield gauge(
             "hit_ratio_alert", "1 while the hit-ratio alert is on", int(bool(stats["alert"]))
@@ -149,102 +147,40 @@ class EngineCollector(Collector):
         yield from session_metrics(self.engine.sessions.registry.records(), time.time())
 
 
-def counter(name: str, doc: str, value: float) -> Metric:
-    return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+def stats_families(stats: dict) -> Iterator[Metric]:
+    """Every numeric field of `Engine.stats()` as a series, named and typed by
+    metric_names (its docstring has the rules); fields folded into one family share it."""
+    families: dict[str, Metric] = {}
+    for path, value, labels in stats_fields(stats):
+        s = series(path, value)
+        if s is None:
+            continue
+        family = families.get(s.name)
+        if family is None:
+            make = CounterMetricFamily if s.counter else GaugeMetricFamily
+            names = [k for k, _ in s.labels] + [k for k, _ in labels]
+            family = families[s.name] = make(f"{PREFIX}_{s.name}", s.doc, labels=names)
+        family.add_metric([v for _, v in s.labels + labels], float(value))
+    return iter(families.values())
+
+
+def stats_fields(stats: dict, path: Path = ()) -> Iterator[tuple[Path, object, tuple]]:
+    """(path, value, labels) of each leaf: a section's fields recursively, a LABELLED
+    dict's entries one by one (labelled by key), anything else as it is."""
+    for key, value in stats.items():
+        here = (*path, key)
+        if isinstance(value, dict) and is_labelled(here):
+            label = LABELLED[here]
+            for k, v in value.items():
+                yield here, v, ((label, str(k)),)
+        elif isinstance(value, dict) and not skipped(here):
+            yield from stats_fields(value, here)
+        else:
+            yield here, value, ()
 
 
 def gauge(name: str, doc: str, value: float) -> Metric:
     return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
-
-
-def by_label(family: type[Metric], name: str, doc: str, label: str, values: dict) -> Metric:
-    out = family(f"{PREFIX}_{name}", doc, labels=[label])
-    for value, n in values.items():
-        out.add_metric([value], n)
-    return out
-
-
-def request_totals(req: dict) -> Iterator[Metric]:
-    yield counter(
-        "requests_cancelled", "Generations ended by the client going away", req["cancelled"]
-    )
-
-
-def ram_metrics(ram: dict) -> Iterator[Metric]:
-    yield gauge("ram_bytes", "Bytes the RAM tier holds", ram["bytes"])
-    yield gauge("ram_budget_bytes", "The RAM tier's budget now", ram["budget_bytes"])
-    yield gauge(
-        "ram_pinned_bytes", "RAM tier bytes held by running requests and pins", ram["pinned_bytes"]
-    )
-    entries = {"block": ram["blocks"], "checkpoint": ram["checkpoints"]}
-    yield by_label(GaugeMetricFamily, "ram_entries", "Entries in the RAM tier", "kind", entries)
-    evicted = {"block": ram["evicted_blocks"], "checkpoint": ram["evicted_checkpoints"]}
-    yield by_label(
-        CounterMetricFamily, "ram_evictions", "Entries evicted from RAM", "kind", evicted
-    )
-    yield counter("ram_evicted_bytes", "Bytes evicted from the RAM tier", ram["evicted_bytes"])
-
-
-def ssd_metrics(ssd: dict) -> Iterator[Metric]:
-    yield gauge("ssd_bytes", "Bytes the SSD tier holds", ssd["bytes"])
-    yield gauge("ssd_budget_bytes", "The SSD tier's capacity limit", ssd["max_bytes"])
-    yield gauge("ssd_entries", "Entries (files) in the SSD tier", ssd["entries"])
-    yield gauge("ssd_queued_writes", "Entries waiting for the SSD writer", ssd["queued"])
-    yield gauge("ssd_disabled", "1 while SSD writes are off after a fault", int(ssd["disabled"]))
-    yield counter("ssd_written_bytes", "Bytes written to SSD files", ssd["bytes_written"])
-    yield counter("ssd_read_bytes", "Bytes read back from SSD files", ssd["bytes_read"])
-    yield counter("ssd_writes", "Entries written to SSD", ssd["writes"])
-    yield gauge(
-        "ssd_written_today_bytes", "Bytes written today (UTC day)", ssd["written_today_bytes"]
-    )
-    if ssd["max_write_per_day"] is not None:
-        yield gauge(
-            "ssd_write_cap_bytes", "[cache.ssd] max_write_per_day", ssd["max_write_per_day"]
-        )
-    yield gauge(
-        "ssd_write_capped", "1 while today's write cap stops writes", int(ssd["write_capped"])
-    )
-    doc = "Checkpoints never written: a deeper one replaced them first"
-    yield counter("ssd_superseded_skips", doc, ssd["superseded_skips"])
-    drops = {
-        "queue_full": ssd["queue_drops"],
-        "disabled": ssd["disabled_drops"],
-        "oversize": ssd["oversize_drops"],
-        "daily_cap": ssd["capped_drops"],
-    }
-    doc = "Entries not written: queue full, writes off, or larger than the tier"
-    yield by_label(CounterMetricFamily, "ssd_write_drops", doc, "reason", drops)
-    yield counter("ssd_quarantined_files", "Corrupt files moved to quarantine", ssd["quarantined"])
-    errors = {"write": ssd["write_errors"], "read": ssd["read_errors"]}
-    yield by_label(CounterMetricFamily, "ssd_errors", "SSD I/O errors", "op", errors)
-    removed = {"capacity": ssd["evictions"], "expired": ssd["expired"]}
-    yield by_label(
-        CounterMetricFamily, "ssd_evictions", "Entries removed from SSD", "reason", removed
-    )
-    reads = {"hit": ssd["hits"], "miss": ssd["misses"], "no_ram": ssd["promotion_failures"]}
-    yield by_label(CounterMetricFamily, "ssd_reads", "SSD entry reads by outcome", "result", reads)
-
-
-def scheduler_metrics(s: dict) -> Iterator[Metric]:
-    yield gauge("scheduler_running", "Sequences decoding now", s["running"])
-    yield gauge("scheduler_prefilling", "Sequences in prefill now", s["prefilling"])
-    yield gauge("scheduler_waiting", "Requests waiting for a batch slot", s["waiting"])
-    yield gauge("scheduler_kv_bytes", "Live K/V bytes of admitted sequences", s["kv_bytes"])
-    yield counter("scheduler_rejected", "Requests refused with 429 (queue full)", s["rejected"])
-    yield counter("decode_steps", "Model decode steps (one token per row, or one verify pass)",
-                  s["decode_steps"])  # fmt: skip
-    yield counter("decode_tokens", "Tokens decoded", s["decode_tokens"])
-    yield gauge("decode_tokens_per_step", "Tokens decoded per model step", s["tokens_per_step"])
-    yield counter("speculative_rounds", "Speculative verify passes", s["spec_rounds"])
-    yield counter("speculative_drafted_tokens", "Draft tokens verified", s["spec_drafted"])
-    yield counter("speculative_accepted_tokens", "Draft tokens the model kept",
-                  s["spec_accepted"])  # fmt: skip
-    yield gauge("speculative_acceptance_ratio", "Draft tokens kept / verified",
-                s["spec_acceptance"])  # fmt: skip
-    yield counter("speculative_replays", "Verify passes whose rejection replayed recurrent state",
-                  s["spec_replays"])  # fmt: skip
-    yield counter("speculative_paused_steps", "Batched steps in which speculation paused",
-                  s["spec_paused_steps"])  # fmt: skip
 
 
 def reason_metric(totals: dict[tuple[str, str], int], served) -> Metric:

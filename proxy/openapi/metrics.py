@@ -18,10 +18,13 @@ def paths() -> dict[str, Schema]:
             "get": {
                 "summary": "Prometheus metrics",
                 "description": "Requests, prompt and cached tokens by model, tenant and cache "
-                "source; TTFT, prefill speed and restore time histograms; RAM and SSD bytes, "
-                "entries, evictions, SSD bytes written and read, write drops, quarantined "
-                "files, sessions, the scheduler's queue, and answers with status 400 or "
-                "more by route. `Accept: application/openmetrics-text` gets OpenMetrics. "
+                "source; TTFT, prefill speed and restore time histograms; why requests hit or "
+                "missed; sessions; answers with status 400 or more by route. And every number "
+                "of `GET /v1/cache/stats` (requests, scheduler, memory, RAM, SSD, shared "
+                "store, writes, vision: levels as gauges, counts as counters, faults "
+                "included), read at the scrape and named `mlx_prompt_cache_<section>_<field>` "
+                "unless an older name stands (docs/observability.md). "
+                "`Accept: application/openmetrics-text` gets OpenMetrics. "
                 "With [tenants] api_keys enforced, per-tenant series are the key's tenant's.",
                 "tags": ["admin"],
                 "responses": {
