@@ -77,22 +77,6 @@ def scaled(row: dict[str, Any], shape: str = "qwen3.6-35b-a3b") -> dict[str, flo
     }
 
 
-def _float32_gather_mm_on_cpu() -> None:
-    """MLX's CPU gather_mm (the MoE experts' matmul) takes only float32: run it there in
-    float32 and cast back, so activations, and so the cached keys, values and states, stay
-    bfloat16 as on a Mac."""
-    import mlx.core as mx
-
-    if mx.default_device() != mx.cpu:
-        return
-    gather_mm = mx.gather_mm
-
-    def f32(a, b, *args, **kw):
-        return gather_mm(a.astype(mx.float32), b.astype(mx.float32), *args, **kw).astype(a.dtype)
-
-    mx.gather_mm = f32
-
-
 def _request(body: dict[str, Any], model: str, max_tokens: int):
     from engine_bridge.types import GenerationRequest, Sampling
     from proxy.dialects.anthropic import build_messages, parse_tools
@@ -268,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         # Unquantized: MLX's CPU quantized matmul is a scalar loop (a 16-token forward of the
         # 4-bit build ran past 2 minutes), and a weight's format changes no entry's size.
         path = build_shape(args.shape, root, SHAPE_OVERRIDES, bits=None)
-        _float32_gather_mm_on_cpu()
+        from engine_bridge.probes.shapes import float32_gather_mm_on_cpu
+
+        float32_gather_mm_on_cpu()
         spec, model_id = str(path), path.name
         scale = SHAPE_REAL_LAYERS / SHAPE_OVERRIDES["num_hidden_layers"]
     else:

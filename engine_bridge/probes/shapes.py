@@ -236,6 +236,22 @@ def _used_bytes(cache: Any, mx: Any) -> int:
     return cache.nbytes
 
 
+def float32_gather_mm_on_cpu() -> None:
+    """MLX's CPU gather_mm (the MoE experts' matmul) takes only float32: run it there in
+    float32 and cast back, so activations, and so the cached keys, values and states, stay
+    bfloat16 as on a Mac."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return
+    gather_mm = mx.gather_mm
+
+    def f32(a, b, *args, **kw):
+        return gather_mm(a.astype(mx.float32), b.astype(mx.float32), *args, **kw).astype(a.dtype)
+
+    mx.gather_mm = f32
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine_bridge.probes.shapes")
     p.add_argument("--json-out", type=Path, required=True)
