@@ -116,6 +116,9 @@ class CacheSession:
     def restore(self) -> tuple[list[Any], int, CacheSource]:
         model = self.owner.loaded.model
         snapshots = self.owner.needs_checkpoint
+        # The writes a request makes first (lost entries, due checkpoints), then a lookup
+        # that only reads, as the probe's does.
+        self.tiers.catch_up(self.scope, needs_checkpoint=snapshots)
         hit = self.tiers.lookup(self.chain, self.scope, needs_checkpoint=snapshots)
         promoted = hit.ssd is not None and self.tiers.promote(hit)
         source: CacheSource = ("shared" if hit.from_shared else "ssd") if promoted else "ram"

@@ -132,8 +132,8 @@ def test_deleted_folder_is_made_again_and_what_ram_holds_is_written_again(
         other = chain(list(range(900, 904)))
         t.store_checkpoint(other, SCOPE, 3, checkpoint(3), CheckpointReason.BOUNDARY)
         assert t.ssd.flush()
-        # RAM still answers in full, and the next lookup puts the lost entries again.
-        assert t.lookup(c, SCOPE, needs_checkpoint=False).ram_length == 28
+        # RAM still answers in full, and the next request puts the lost entries again.
+        assert request(t, c) == 28
         assert t.ssd.flush()
         stats = t.ssd.stats()
         t.close(5.0)
@@ -168,12 +168,19 @@ def test_spill_only_tier_spills_again_what_the_deleted_folder_held(tmp_path):
 
     shutil.rmtree(root)
     t.ssd.check_folder()
-    assert t.lookup(c, SCOPE, needs_checkpoint=False).ram_length == 28
+    assert request(t, c) == 28
     assert t.ssd.flush() and t.ssd.stats().writes == 7  # nothing put before eviction
     t.ram.set_budget(0)
     assert t.ssd.flush() and t.ssd.stats().spills == 14
     t.close(5.0)
     assert on_disk(root, c, ()) == [True] * 7
+
+
+def request(t: TieredCache, c: Chain) -> int:
+    """What a request does first, as CacheSession.restore: its writes (lost entries put
+    again), then its lookup; how far RAM reaches."""
+    t.catch_up(SCOPE, needs_checkpoint=False)
+    return t.lookup(c, SCOPE, needs_checkpoint=False).ram_length
 
 
 def lost_backlog(root: Path, monkeypatch, failing) -> TieredCache:
@@ -205,10 +212,10 @@ def test_a_put_fault_on_every_entry_leaves_the_rewrite_backlog_for_later(tmp_pat
     fault.set()
     t = lost_backlog(root, monkeypatch, lambda key: fault.is_set())
     c = chain()
-    assert t.lookup(c, SCOPE, needs_checkpoint=False).ram_length == 28
+    assert request(t, c) == 28
     assert t.writes.stats().rewrites_pending == 7  # before the fix: 0, all dropped
     fault.clear()
-    assert t.lookup(c, SCOPE, needs_checkpoint=False).ram_length == 28
+    assert request(t, c) == 28
     assert t.ssd.flush()
     assert t.writes.stats() == replace(t.writes.stats(), rewrites_pending=0, rewrite_failures=0)
     t.close(5.0)
@@ -222,8 +229,8 @@ def test_one_entry_whose_put_keeps_failing_is_given_up_and_counted(tmp_path, mon
     t = lost_backlog(root, monkeypatch, lambda key: key == bad)
     pending = []
     with caplog.at_level(logging.DEBUG, logger="engine_bridge.cache.tiers"):
-        for _ in range(REWRITE_TRIES + 1):  # one request's lookup each
-            assert t.lookup(c, SCOPE, needs_checkpoint=False).ram_length == 28
+        for _ in range(REWRITE_TRIES + 1):  # one request each
+            assert request(t, c) == 28
             pending.append(t.writes.stats().rewrites_pending)
     assert t.ssd.flush()
     stats = t.writes.stats()
@@ -269,11 +276,11 @@ def test_writes_resume_after_a_permission_error_and_catch_up(tmp_path, monkeypat
         t.store_blocks(c, SCOPE, {i: block(i) for i in range(3, 7)})
         assert t.ssd.flush()
         during = t.ssd.stats()
-        assert t.lookup(c, SCOPE, needs_checkpoint=False).ram_length == 28  # RAM serves
+        assert request(t, c) == 28  # RAM serves
         time.sleep(0.3)  # a few probes fail meanwhile, quietly
         denied.clear()
         wait_for(lambda: not t.ssd.stats().disabled, what="writes to resume")
-        t.lookup(c, SCOPE, needs_checkpoint=False)  # the next request puts what was missed
+        request(t, c)  # the next request puts what was missed
         assert t.ssd.flush()
         after = t.ssd.stats()
         t.close(5.0)

@@ -52,7 +52,8 @@ class Machine:
         assert self.store.flush(20)
 
     def restore(self, c: Chain, snapshots: bool = False, scope: Scope = SCOPE):
-        """lookup → promote → pin, as CacheSession.restore does; the pinned match."""
+        """catch_up → lookup → promote → pin, as CacheSession.restore does; the match."""
+        self.tiers.catch_up(scope, needs_checkpoint=snapshots)
         hit = self.tiers.lookup(c, scope, needs_checkpoint=snapshots)
         promoted = hit.ssd is not None and self.tiers.promote(hit)
         match = self.tiers.pin(hit, promoted=promoted)

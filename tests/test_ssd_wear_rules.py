@@ -50,7 +50,7 @@ def hybrid_tiers(ssd, delay: float = HOUR, every: int | None = None) -> TieredCa
         periodic_write_every=every,
     )
     # What the engine does first for every request of a snapshot model.
-    t.lookup(chain(), SCOPE, needs_checkpoint=True)
+    t.catch_up(SCOPE, needs_checkpoint=True)
     return t
 
 
@@ -80,6 +80,7 @@ def blocks_on_disk(ssd: SSDStore, c: Chain) -> list[bool]:
 
 def resume(t: TieredCache, c: Chain) -> int:
     """A request for `c` restores what it can and lets go (its prefill is not run)."""
+    t.catch_up(SCOPE, needs_checkpoint=True)
     match = t.pin(t.lookup(c, SCOPE, needs_checkpoint=True), promoted=False)
     if match.pinned:
         t.ram.release(match)
@@ -170,7 +171,7 @@ def test_a_snapshot_models_blocks_are_written_with_the_checkpoints_that_need_the
     with open_ssd(tmp_path / "paged") as ssd:
         ram = CacheManager(1 << 30, block_size=BS)
         paged = TieredCache(ram, ssd, kv.HostCodec(), policy=WritePolicy.THROUGH)
-        paged.lookup(c, SCOPE, needs_checkpoint=False)
+        paged.catch_up(SCOPE, needs_checkpoint=False)
         paged.store_blocks(c, SCOPE, {i: block(i) for i in range(7)})
         assert blocks_on_disk(ssd, c) == [True] * 7  # a paged model's go through at once
 

@@ -132,6 +132,16 @@ class TierWrites:
     def stats(self) -> WriteStats:
         return WriteStats(self.deferred.stats(), len(self._rewrite), self.rewrite_failures)
 
+    def catch_up(self, scope: Scope, *, snapshots: bool, rewrites: int) -> None:
+        """What a request does before its lookup, on the MLX thread: note a snapshot model's
+        scope, put up to `rewrites` entries the SSD lost again, and queue the held-back
+        checkpoint writes that are due. Lookups themselves never write."""
+        if snapshots:
+            self.snapshot_scopes.add(scope)
+        if self._rewrite and self.ssd is not None:
+            self.rewrite_some(rewrites)
+        self.deferred.flush()
+
     def reused(self, chain: Chain, match: Match) -> None:
         """A request restores from these entries: second-use writes them now, and so does
         write-through for a checkpoint it held back (a generation end, or one superseded
@@ -261,7 +271,7 @@ class TierWrites:
         if self.ssd is None:
             return
         stored = entry.payload
-        tensors, meta = self._host(stored, entry.position, entry.reason)
+        tensors, meta = self.host_bytes(stored, entry.position, entry.reason)
         stored.on_ssd = True  # on its way: a spill meanwhile must not write it twice
 
         def put() -> bool:
@@ -374,16 +384,18 @@ class TierWrites:
     ) -> PutOutcome | None:
         if self.ssd is None or stored.on_ssd:
             return None
-        tensors, meta = self._host(stored, tokens, reason)
+        tensors, meta = self.host_bytes(stored, tokens, reason)
         outcome = self.ssd.put(
             stored.scope, kind, key, tensors, meta, tokens=tokens, reason=why, skip=skip
         )
         stored.on_ssd = outcome in ("queued", "duplicate")
         return outcome
 
-    def _host(
+    def host_bytes(
         self, stored: Stored, tokens: int, reason: CheckpointReason | None
     ) -> tuple[dict[str, HostTensor], dict[str, str]]:
+        """An entry's host tensors and metadata, the tiers' keys added (the shared tier
+        writes with it too). Evaluates the payload: on the MLX thread."""
         tensors, meta = self.codec.to_host(stored.payload)
         meta[META_TOKENS] = str(tokens)
         if reason is not None:

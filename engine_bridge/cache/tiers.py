@@ -2,7 +2,9 @@
 
 A request's chain is hashed once (`hashing.Chain`) and every step here works on its hashes.
 `lookup` says how far RAM reaches and how far RAM plus SSD reach (SGLang's `MatchResult`
-with its `host_hit_length`); `promote` brings the SSD part into RAM, reserving the budget
+with its `host_hit_length`), and only reads: the probe route asks it too, and a request's
+own writes before it (`catch_up`) run apart. RAM is matched once per lookup; promotion and
+pinning reuse that match. `promote` brings the SSD part into RAM, reserving the budget
 before it reads and falling back to a shallower checkpoint when an entry turns out corrupt.
 What is stored goes to SSD as `[cache.ssd] write_policy` says, and what RAM evicts spills
 there (tier_writes.py). Under the SSD, an optional shared store (Redis/Valkey, several
@@ -65,6 +67,9 @@ class Hit:
     scope: Scope
     needs_checkpoint: bool
     ram: Match  # what RAM restores as it stands
+    # The paged longest common prefix with RAM (`ram` itself for a paged model), from the
+    # same walk: where a divergence is, and what promotion pins while it inserts.
+    prefix: Match
     ssd: SSDReadPlan | None  # how the SSD extends it, when it does
     # Where the prompt left a sequence RAM holds part way (not merely ran past its end).
     diverged_at: int | None
@@ -112,7 +117,7 @@ class TieredCache:
         # The Redis/Valkey tier under the SSD ([cache.shared]); it writes by its own policy.
         self.shared = shared
         if shared is not None:
-            shared.bind(self.writes._host, ssd)
+            shared.bind(self.writes.host_bytes, ssd)
 
     @property
     def policy(self) -> WritePolicy:
@@ -135,21 +140,24 @@ class TieredCache:
 
     # ---- lookup -------------------------------------------------------------------------
 
+    def catch_up(self, scope: Scope, *, needs_checkpoint: bool) -> None:
+        """The writes a request makes just before its lookup, on the MLX thread (turning
+        payloads into host bytes evaluates them): a snapshot model's scope is noted (its
+        blocks then wait for their checkpoints), a few entries the SSD lost are put again,
+        and held-back checkpoint writes that came due go out. The probe never calls it."""
+        self.writes.catch_up(scope, snapshots=needs_checkpoint, rewrites=_REWRITE_STEP)
+
     def lookup(self, chain: Chain, scope: Scope, *, needs_checkpoint: bool) -> Hit:
-        """One look through every tier; reads index rows, never entry files."""
-        if needs_checkpoint:
-            self.writes.snapshot_scopes.add(scope)
-        if self.writes.rewrites_pending:
-            self.writes.rewrite_some(_REWRITE_STEP)
-        self.writes.deferred.flush()
-        ram = self.ram.match(chain, needs_checkpoint=needs_checkpoint)
-        lcp = self.ram.match(chain, needs_checkpoint=False) if needs_checkpoint else ram
-        diverged = lcp.length if lcp.diverged and 0 < lcp.length < len(chain) - 1 else None
+        """One look through every tier; reads index rows, never entry files, and writes
+        nothing (no put, no flush, no LRU refresh): a probe may call it freely."""
+        ram, prefix = self.ram.matches(chain, needs_checkpoint=needs_checkpoint)
+        last = len(chain) - 1
+        diverged = prefix.length if prefix.diverged and 0 < prefix.length < last else None
         ssd = None
         # RAM reaching the last prompt token leaves the SSD nothing to add.
-        if (self.ssd is not None or self.shared is not None) and ram.length < len(chain) - 1:
-            ssd = self._plan(chain, scope, needs_checkpoint, ram.length, len(chain) - 1)
-        return Hit(chain, scope, needs_checkpoint, ram, ssd, diverged)
+        if (self.ssd is not None or self.shared is not None) and ram.length < last:
+            ssd = self._plan(chain, scope, needs_checkpoint, ram.length, last)
+        return Hit(chain, scope, needs_checkpoint, ram, prefix, ssd, diverged)
 
     def local_length(self, hit: Hit) -> int:
         """How far RAM and this machine's SSD reach without the shared store: where a
@@ -227,20 +235,16 @@ class TieredCache:
         return found
 
     def _find_on_ssd(self, chain: Chain, scope: Scope, lo: int, hi: int) -> int | None:
+        """The deepest checkpoint of `chain` on disk in (lo, hi]. The index is asked once
+        for the checkpoints it holds in that range (any chain's: few, next to the
+        distance), not about every position a checkpoint could sit at."""
         assert self.ssd is not None
-        bs = chain.block_size
-        for a in range(hi // bs, -1, -1):
-            start = a * bs
-            if start + bs - 1 <= lo:
-                break
-            positions = [p for p in range(min(hi, start + bs - 1), max(lo, start - 1), -1) if p]
-            if not positions:
-                continue
-            keys = [chain.checkpoint_key(p) for p in positions]
-            found = self.ssd.contains_many(scope, EntryKind.CHECKPOINT, keys)
-            for p, present in zip(positions, found, strict=True):
-                if present:
-                    return p
+        keys: dict[int, bytes] = {}  # this chain's key at each position the index names
+        for position, key in self.ssd.checkpoints_between(scope, lo, hi):
+            if position not in keys:
+                keys[position] = chain.checkpoint_key(position)
+            if key == keys[position]:
+                return position
         return None
 
     def lost(
@@ -270,9 +274,13 @@ class TieredCache:
             self.ssd.evicted.add(keys, "expired")
 
     def pin(self, hit: Hit, *, promoted: bool) -> Match:
-        """The match to restore from, pinned: the lookup's own when nothing was promoted,
-        else a fresh one that reaches into what promotion brought up."""
-        if not promoted and hit.ram.length and self.ram.acquire(hit.ram):
+        """The match to restore from, pinned: the lookup's own when nothing was promoted
+        and its entries are all still in RAM (`acquire` checks), else a fresh one, which
+        reaches into what promotion brought up (RAM changed: the one second match). A
+        miss (length 0) is not pinned."""
+        if not promoted and hit.ram.length == 0 and hit.ssd is None:
+            match = hit.ram  # a miss nothing tried to promote into: RAM is as looked up
+        elif not promoted and hit.ram.length and self.ram.acquire(hit.ram):
             match = hit.ram
         else:
             match = self.ram.match(hit.chain, needs_checkpoint=hit.needs_checkpoint, pin=True)
@@ -296,7 +304,11 @@ class TieredCache:
         chain, ram_length = hit.chain, hit.ram_length
         # Pin what RAM holds of the path: under a tight budget it is the least recently used
         # part, and inserting the promoted entries would evict the very prefix they extend.
-        held = self.ram.match(chain, needs_checkpoint=False, pin=True)
+        # The lookup's own prefix match, unless one of its entries left RAM since (acquire
+        # checks each is still the one RAM holds): then match again, once.
+        held = hit.prefix
+        if held.length and not self.ram.acquire(held):
+            held = self.ram.match(chain, needs_checkpoint=False, pin=True)
         try:
             for _ in range(_PROMOTION_TRIES):
                 outcome = self._read_into_ram(hit, plan)

@@ -18,7 +18,7 @@ from engine_bridge.cache.evictions import EvictionRecord
 from engine_bridge.cache.hashing import BLOCK_SIZE, BlockHash, Chain
 from engine_bridge.cache.kinds import CheckpointReason, EntryKind
 from engine_bridge.cache.ram.checkpoints import Checkpoint, CheckpointStore
-from engine_bridge.cache.ram.matching import Match, find_match
+from engine_bridge.cache.ram.matching import Match, find_match, find_matches
 from engine_bridge.cache.ram.pool import Block, BlockPool, FreeQueue
 from engine_bridge.cache.ram.supersede import mark_superseded
 
@@ -118,6 +118,12 @@ class CacheManager:
             if pin and match.length:
                 self._pin(match)
             return match
+
+    def matches(self, chain: Chain, *, needs_checkpoint: bool) -> tuple[Match, Match]:
+        """`match`, and the paged longest common prefix with what RAM holds (the same
+        Match for a paged model), from one walk: a lookup's, nothing pinned."""
+        with self._lock:
+            return find_matches(self._pool, self._checkpoints, chain, needs_checkpoint)
 
     def has_block(self, block_hash: BlockHash) -> bool:
         with self._lock:

@@ -52,18 +52,44 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+_Found = tuple[int, list[Block], int, Checkpoint | None, int]
+
+
 def find_match(
     pool: BlockPool, checkpoints: CheckpointStore, chain: Chain, needs_checkpoint: bool
 ) -> Match:
     """The deepest restorable position P < len(chain), so at least one token is prefilled."""
+    present = _cached_run(pool, chain)
+    find = _at_checkpoint if needs_checkpoint else _paged
+    return _match(chain, find(pool, checkpoints, chain, present))
+
+
+def find_matches(
+    pool: BlockPool, checkpoints: CheckpointStore, chain: Chain, needs_checkpoint: bool
+) -> tuple[Match, Match]:
+    """`find_match`, and the paged longest common prefix with what RAM holds (the same
+    Match when no checkpoint is needed), from one walk of the chain: what a lookup reports
+    and what promotion pins."""
+    present = _cached_run(pool, chain)
+    prefix = _match(chain, _paged(pool, checkpoints, chain, present))
+    if not needs_checkpoint:
+        return prefix, prefix
+    return _match(chain, _at_checkpoint(pool, checkpoints, chain, present)), prefix
+
+
+def _cached_run(pool: BlockPool, chain: Chain) -> list[Block]:
+    """The leading blocks of the chain the pool holds."""
     present: list[Block] = []
     for block_hash in chain.hashes:
         block = pool.get(block_hash)
         if block is None:
             break
         present.append(block)
-    find = _at_checkpoint if needs_checkpoint else _paged
-    length, blocks, used, ckpt, ckpt_tokens = find(pool, checkpoints, chain, present)
+    return present
+
+
+def _match(chain: Chain, found: _Found) -> Match:
+    length, blocks, used, ckpt, ckpt_tokens = found
     if not blocks:
         used = 0
     covered = (len(blocks) - 1) * chain.block_size + used if blocks else 0
@@ -71,9 +97,6 @@ def find_match(
         f"match of {length} tokens covers {covered} + {ckpt_tokens}"
     )
     return Match(length, tuple(blocks), used, ckpt, ckpt_tokens)
-
-
-_Found = tuple[int, list[Block], int, Checkpoint | None, int]
 
 
 def _paged(

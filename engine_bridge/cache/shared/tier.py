@@ -42,7 +42,7 @@ _BLOCK_STEP = 64
 # Checkpoint positions asked per round trip, then four times as many: a checkpoint near
 # the deepest block (the usual case) costs one small pipeline.
 _CHECKPOINT_STEP = 64
-# Host bytes of an entry with its tier metadata (tier_writes.TierWrites._host).
+# Host bytes of an entry with its tier metadata (tier_writes.TierWrites.host_bytes).
 Host = Callable[[Any, int, CheckpointReason | None], tuple[dict[str, HostTensor], dict[str, str]]]
 
 

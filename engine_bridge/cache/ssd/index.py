@@ -200,6 +200,20 @@ class Index:
             )
         return out
 
+    def checkpoints_between(self, scope: Scope, lo: int, hi: int) -> list[tuple[int, bytes]]:
+        """(position, key) of every checkpoint of `scope` at a position in (lo, hi], any
+        chain's, deepest first: one query however far apart lo and hi are. A read fault
+        is read as none (a miss), as the store reads every index fault."""
+        try:
+            with self._lock:
+                return self._conn.execute(
+                    "SELECT tokens, key FROM entries WHERE model=? AND tenant=? AND kind=? "
+                    "AND tokens > ? AND tokens <= ? ORDER BY tokens DESC",
+                    (scope.model, scope.tenant, EntryKind.CHECKPOINT.value, lo, hi),
+                ).fetchall()
+        except sqlite3.Error:
+            return []
+
     def size_of(self, scope: Scope, kind: str, key: bytes) -> int | None:
         with self._lock:
             row = self._conn.execute(

@@ -146,6 +146,10 @@ class SSDStore:
         found = self._present(scope, kind, keys)
         return [k in found for k in keys]
 
+    def checkpoints_between(self, scope: Scope, lo: int, hi: int) -> list[tuple[int, bytes]]:
+        """(position, key) of `scope`'s checkpoints in (lo, hi] on disk, deepest first."""
+        return [] if self._index is None else self._index.checkpoints_between(scope, lo, hi)
+
     def rows(self, scope: Scope, kind: EntryKind, keys: Sequence[bytes]) -> list[EntryRow]:
         """The index rows of those keys that are on disk (sizes, last use; no file opened)."""
         try:
