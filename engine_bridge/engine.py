@@ -1,4 +1,5 @@
-"""The engine facade proxy/ talks to: which models are local, prepare a job, run it."""
+"""The engine facade proxy/ talks to: which models are local, start a generation, probe,
+warm, stats. What it hands out is neutral (types.py, stream.py): no runner, no job."""
 
 from __future__ import annotations
 
@@ -7,15 +8,14 @@ import concurrent.futures
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 
 from . import cache_probe, kv
 from .cache.ram.manager import CacheManager
 from .cache.ssd.store import SSDConfig, SSDStore
 from .cache.tiers import TieredCache
 from .cache.write_policy import SPARSE_PERIODIC_EVERY
-from .cache_probe import ProbeResult, WarmResult
 from .engine_settings import EngineSettings  # callers import it with Engine, from here
 from .models import discovery
 from .models import loading as models
@@ -29,8 +29,9 @@ from .prompt_cache import ModelCache
 from .prompting.render import RenderedPrompt, render_chat, render_completion
 from .scheduling.forced_output import ForcedOutputs
 from .scheduling.output_rules import call_marker_is_token, output_rule
-from .scheduling.runner import Event, Job, Runner
+from .scheduling.runner import Job, Runner
 from .scheduling.scheduler import Scheduler, SchedulerSettings
+from .served import ServedModels
 from .sessions.admin import SessionAdmin
 from .sessions.catalog import ClientSessions
 from .stream import GenerationStream
@@ -40,7 +41,9 @@ from .types import (
     GenerationRequest,
     GenerationResult,
     ModelInfo,
+    ProbeResult,
     PromptInfo,
+    WarmResult,
 )
 from .vision import prompt as vision_prompt
 
@@ -53,24 +56,11 @@ def _vocab_size(config: dict) -> int | None:
     return int(size) if isinstance(size, int) else None
 
 
-@dataclass(slots=True)
-class ModelEntry:
-    """A model this process serves; loaded lazily on first use."""
-
-    ref: models.ModelRef
-    runner: Runner | None = None
-    loading: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    @property
-    def loaded(self) -> models.LoadedModel | None:
-        return self.runner.loaded if self.runner is not None else None
-
-
 class Engine:
     def __init__(self, settings: EngineSettings):
         self.settings = settings
         heap.tune()  # glibc: MLX's buffers in mmapped chunks, not fragmenting the heap
-        self._entries: dict[str, ModelEntry] = {}
+        self._served = ServedModels()  # the models served here, loaded or not
         # Every tokenizer call runs on this one thread. Hugging Face tokenizers keep a BPE
         # word cache per thread, so on the shared pool each of its threads filled its own:
         # the load soak's RSS crept ~5 MB a minute until all of them were full.
@@ -135,7 +125,7 @@ class Engine:
             # Kept across restarts with the SSD tier it describes.
             store_dir=settings.cache_dir if ssd is not None else None,
         )
-        self.session_admin = SessionAdmin(self.sessions, self._on_mlx, self._entries)
+        self.session_admin = SessionAdmin(self.sessions, self._on_mlx, self._served)
         specs = list(settings.model_specs)
         if settings.serve_all_mlx:
             specs += [
@@ -143,23 +133,26 @@ class Engine:
             ]
         for spec in specs or DEMO_MODEL_IDS:
             ref = models.resolve(spec, settings.cache_dir, settings.lmstudio_dirs)
-            self._entries[ref.id] = ModelEntry(ref)
+            self._served.add(ref)
 
     @property
     def model_ids(self) -> list[str]:
-        return list(self._entries)
+        return self._served.ids()
 
     def has_model(self, model_id: str) -> bool:
-        return model_id in self._entries
+        return model_id in self._served
 
     def loaded(self, model_id: str) -> models.LoadedModel | None:
-        entry = self._entries.get(model_id)
+        """`model_id`'s loaded model (tokenizer, weights, config); None while not loaded."""
+        entry = self._served.get(model_id)
         return entry.loaded if entry is not None else None
 
+    async def load(self, model_id: str) -> models.LoadedModel:
+        """Load `model_id` now, as its first request would (a 404 if not served here)."""
+        return (await self.runner(model_id)).loaded
+
     async def runner(self, model_id: str) -> Runner:
-        entry = self._entries.get(model_id)
-        if entry is None:
-            raise EngineError(f"model {model_id!r} is not served here", field="model", status=404)
+        entry = self._served.require(model_id)
         async with entry.loading:
             if entry.runner is None:
                 if self.before_load is not None:
@@ -211,7 +204,7 @@ class Engine:
         their cache stays on SSD (and in RAM)."""
         unloaded = []
         now = time.monotonic()
-        for model_id, entry in list(self._entries.items()):
+        for model_id, entry in self._served.entries():
             if model_id == keep:
                 continue
             async with entry.loading:
@@ -272,18 +265,20 @@ class Engine:
 
     def model_cache(self, model_id: str) -> ModelCache | None:
         """The prompt cache of a loaded model; None when it has none (or is not loaded)."""
-        entry = self._entries.get(model_id)
+        entry = self._served.get(model_id)
         return self._caches.get(model_id) if entry and entry.runner else None
 
     async def probe(self, req: GenerationRequest) -> ProbeResult:
         """What `req` would restore from RAM and SSD, without running the model."""
-        return await cache_probe.probe(self, req)
+        _, job = await self._prepare(req)
+        cache = self.model_cache(req.model) if req.use_cache else None
+        return await cache_probe.probe(req, job, cache, self._on_mlx)
 
     async def warm(self, req: GenerationRequest) -> WarmResult:
         """Prefill and store `req`'s prompt, generating nothing."""
-        return await cache_probe.warm(self, req)
+        return await cache_probe.warm(self, req, self.settings.cache_enabled)
 
-    async def prepare(self, req: GenerationRequest) -> tuple[Runner, Job]:
+    async def _prepare(self, req: GenerationRequest) -> tuple[Runner, Job]:
         """Tokenize and validate; every client mistake surfaces here, before streaming."""
         runner = await self.runner(req.model)
         loaded = runner.loaded
@@ -328,19 +323,16 @@ class Engine:
         )
         return runner, Job(req, prompt, max_tokens, rule=rule)
 
-    def run(self, runner: Runner, job: Job) -> AsyncIterator[Event]:
-        # The runner's own generator, not a wrapper: closing it must run its cleanup (cancel,
-        # then wait until the scheduler let go) now, not whenever a wrapper is collected.
-        return runner.run(job)
-
     async def start(self, req: GenerationRequest) -> GenerationStream:
         """Validate, queue and look up `req`; returns once its cache hit is known.
 
         Raises `EngineError` for a request the engine refuses (a 4xx, 429 when the queue is
         full) and `GenerationFailed` when the engine fails before the first event.
         """
-        runner, job = await self.prepare(req)
-        events = self.run(runner, job)
+        runner, job = await self._prepare(req)
+        # The runner's own generator, not a wrapper: closing it must run its cleanup (cancel,
+        # then wait until the scheduler let go) now, not whenever a wrapper is collected.
+        events = runner.run(job)
         try:
             first = await anext(events)
         except EngineError:
@@ -365,9 +357,7 @@ class Engine:
         )
 
     def model_info(self, model_id: str) -> ModelInfo:
-        entry = self._entries.get(model_id)
-        if entry is None:
-            raise EngineError(f"model {model_id!r} is not served here", field="model", status=404)
+        entry = self._served.require(model_id)
         loaded = entry.loaded
         if loaded is None:
             return ModelInfo(model_id, loaded=False)
@@ -447,8 +437,8 @@ class Engine:
     def _vision_stats(self) -> dict:
         """Feature and preprocessing caches, summed over the loaded models that see."""
         total: dict[str, int] = {}
-        for entry in self._entries.values():
-            seeing = entry.loaded.vision if entry.loaded is not None else None
+        for loaded in self._served.loaded():
+            seeing = loaded.vision
             if seeing is None:
                 continue
             counts = asdict(seeing.feature_cache.snapshot()) | seeing.spec.prepared.stats()

@@ -89,6 +89,15 @@ class ModelCache:
     def session(self, job: Job) -> CacheSession:
         return CacheSession(self, job)
 
+    def probe(self, job: Job) -> tuple[Hit, int]:
+        """What `job`'s lookup would find, and how far this machine's tiers (RAM and SSD)
+        reach of it. It only reads: nothing promoted, pinned, reordered or written (no
+        `catch_up`, which a request's restore makes first); on the MLX thread all the same."""
+        session = self.session(job)
+        needs = self.needs_checkpoint
+        hit = self.tiers.lookup(session.chain, session.scope, needs_checkpoint=needs)
+        return hit, self.tiers.local_length(hit)
+
 
 class CacheSession:
     """One request's view of the cache; lives on the model's worker thread."""

@@ -239,3 +239,27 @@ class GenerationResult:
     def prefill_tok_s(self) -> float | None:
         """The model's prefill speed on this request; None when it prefilled nothing."""
         return self.prefilled_tokens / self.prefill_s if self.prefill_s > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """What a request would get from each tier now (POST /v1/cache/probe)."""
+
+    model: str
+    prompt_tokens: int
+    ram_tokens: int  # restored from RAM
+    ssd_tokens: int  # read from this machine's SSD, past what RAM has
+    shared_tokens: int  # read from the shared store ([cache.shared]), past RAM and SSD
+    recompute_tokens: int  # prefilled by the model (always at least one)
+    diverged_at: int | None  # where the prompt leaves a sequence RAM holds
+
+
+@dataclass(frozen=True, slots=True)
+class WarmResult:
+    """What a warm-up prefilled and stored (POST /v1/cache/warm)."""
+
+    model: str
+    prompt_tokens: int
+    cached_tokens: int  # already cached before the warm-up
+    stored_tokens: int  # newly prefilled and now cached
+    elapsed_s: float

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +18,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine_bridge import kv
 from engine_bridge.cache.write_policy import SPARSE_PERIODIC_EVERY
 from engine_bridge.engine import Engine, EngineSettings
-from engine_bridge.prompting.render import RenderedPrompt
 from engine_bridge.scheduling.jobs import Job
-from engine_bridge.types import (
-    GenerationRequest,
-    GenerationResult,
-    Message,
-    PromptInfo,
-    Sampling,
-    TokenEvent,
-)
+from engine_bridge.types import GenerationRequest, GenerationResult, Message, Sampling
 
 MAX_TOKENS = 16
 
@@ -68,7 +60,8 @@ class Driver:
             )
         )
         self._bypass: dict[str, Outcome] = {}
-        self._spies: dict[int, _Spy] = {}  # id(job) -> what its cache session was handed
+        # id(request) -> its job, and what its cache session was handed
+        self._spies: dict[int, _Spy] = {}
 
     def close(self) -> None:
         self.loop.run(self.engine.close())
@@ -114,25 +107,18 @@ class Driver:
     async def _run(
         self, req: GenerationRequest, tokens: list[int] | None, cancel_at: int | None
     ) -> Outcome:
-        if tokens is None:
-            runner, job = await self.engine.prepare(req)
-        else:  # token ids no text re-encodes to, e.g. a prompt plus its generated tokens
-            runner = await self.engine.runner(req.model)
-            text = runner.loaded.tokenizer.decode(tokens)
-            job = Job(req, RenderedPrompt(list(tokens), text, [0], [0]), req.max_tokens)
-        _spy_on_saves(runner, self._spies)
-        spy = self._spies[id(job)] = _Spy(cancel_at)
-        info: PromptInfo | None = None
-        result: GenerationResult | None = None
+        if tokens is not None:  # token ids no text re-encodes to, e.g. a prompt plus output
+            req = replace(req, prompt_tokens=list(tokens))
+        _spy_on_saves(await self.engine.runner(req.model), self._spies)
+        spy = self._spies[id(req)] = _Spy(cancel_at)
         try:
-            async for event in self.engine.run(runner, job):
-                if isinstance(event, PromptInfo):
-                    info = event
-                elif not isinstance(event, TokenEvent):
-                    result = event
+            stream = await self.engine.start(req)
+            async for _ in stream:
+                pass
         finally:
-            del self._spies[id(job)]
-        assert info is not None and result is not None
+            del self._spies[id(req)]
+        info, result, job = stream.info, stream.result, spy.job
+        assert result is not None and job is not None
         if cancel_at is None:
             # Demo models never emit EOS: every request runs to max_tokens.
             assert result.completion_tokens == req.max_tokens, result
@@ -153,8 +139,8 @@ class Driver:
         )
 
     def has_snapshots(self, model: str) -> bool:
-        runner = self.loop.run(self.engine.runner(model))
-        return kv.layout(make_prompt_cache(runner.loaded.model)).has_snapshots
+        loaded = self.loop.run(self.engine.load(model))
+        return kv.layout(make_prompt_cache(loaded.model)).has_snapshots
 
     def flush_ssd(self) -> None:
         """Wait until the SSD tier has written everything queued so far."""
@@ -165,12 +151,23 @@ class Driver:
 @dataclass(slots=True)
 class _Spy:
     cancel_at: int | None
+    job: Job | None = None  # what the engine made of the request
     out: list[int] = field(default_factory=list)
     reached: int = 0
 
 
 def _spy_on_saves(runner: Any, spies: dict[int, _Spy]) -> None:
-    """See what each request hands its cache session: events carry text, not token ids."""
+    """See each request's job (its rendered prompt), and what it hands its cache session:
+    events carry text, not token ids."""
+    if not getattr(runner.run, "spied", False):
+        run = runner.run
+
+        def running(job: Any) -> Any:
+            spies[id(job.request)].job = job
+            return run(job)  # the runner's own generator: closing it runs its cleanup
+
+        running.spied = True
+        runner.run = running
     factory = runner._session_factory
     if factory is None or getattr(factory, "spied", False):
         return
@@ -180,7 +177,7 @@ def _spy_on_saves(runner: Any, spies: dict[int, _Spy]) -> None:
         if session is None:
             return None
         save = session.save
-        spy = spies[id(job)]
+        spy = spies[id(job.request)]
 
         def record(cache, tokens, position, reason):
             save(cache, tokens, position, reason)

@@ -18,13 +18,11 @@ async def _generate(engine: Engine, content: str) -> GenerationResult:
         max_tokens=8,
         sampling=Sampling(temperature=0.0),
     )
-    runner, job = await engine.prepare(req)
-    result = None
-    async for event in engine.run(runner, job):
-        if isinstance(event, GenerationResult):
-            result = event
-    assert result is not None
-    return result
+    stream = await engine.start(req)
+    async for _ in stream:
+        pass
+    assert stream.result is not None
+    return stream.result
 
 
 def test_idle_model_unloads_and_reload_keeps_cache_hits(demo_root, tmp_path):

@@ -37,12 +37,10 @@ async def _ask(engine: Engine, question: str) -> GenerationResult:
         max_tokens=4,
         sampling=Sampling(temperature=0.0),
     )
-    runner, job = await engine.prepare(req)
-    result = None
-    async for event in engine.run(runner, job):
-        if isinstance(event, GenerationResult):
-            result = event
-    return result
+    stream = await engine.start(req)
+    async for _ in stream:
+        pass
+    return stream.result
 
 
 def _run(model_dir, bits: int) -> tuple[GenerationResult, int, int]:

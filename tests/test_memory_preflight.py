@@ -99,8 +99,7 @@ async def _generate(engine: Engine, model: str) -> str:
         sampling=Sampling(temperature=0.0),
     )
     text = ""
-    runner, job = await engine.prepare(req)
-    async for event in engine.run(runner, job):
+    async for event in await engine.start(req):
         text += getattr(event, "text", "") or ""
     return text
 

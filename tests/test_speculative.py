@@ -24,7 +24,7 @@ from engine_bridge.types import GenerationRequest, GenerationResult, Message, Sa
 from tests.conftest import DEMO_IDS, fresh_cache_dir
 
 K = 4
-PROMPTS: dict[int, list[int]] = {}  # the prompt tokens of each job _generate ran
+PROMPTS: dict[int, list[int]] = {}  # the prompt tokens of each request _generate ran
 SYSTEM = "You are terse. Repeat the file back: " + "def add(a, b):\n    return a + b\n" * 12
 
 
@@ -74,16 +74,23 @@ def _request(model: str, i: int = 0, speculative: bool = True, n: int = 96, **kw
 
 async def _generate(engine: Engine, req: GenerationRequest) -> tuple[list[int], GenerationResult]:
     """The request's output token ids (every one, not just those that made text)."""
-    runner, job = await engine.prepare(req)
-    outs: dict[int, list[int]] = {}
-    _watch(runner, outs)
-    result = None
-    async for event in engine.run(runner, job):
-        if isinstance(event, GenerationResult):
-            result = event
-    assert result is not None
-    TRUTH[tuple(PROMPTS.pop(id(job)))] = out = outs.pop(id(job))
+    _, out, result = await _generate_seen(engine, req)
     return out, result
+
+
+async def _generate_seen(
+    engine: Engine, req: GenerationRequest
+) -> tuple[list[int], list[int], GenerationResult]:
+    """The request's prompt token ids, its output token ids, and its result."""
+    outs: dict[int, list[int]] = {}
+    _watch(await engine.runner(req.model), outs)
+    stream = await engine.start(req)
+    async for _ in stream:
+        pass
+    assert stream.result is not None
+    prompt = PROMPTS.pop(id(req))
+    TRUTH[tuple(prompt)] = out = outs.pop(id(req))
+    return prompt, out, stream.result
 
 
 # What each prompt's last run wrote: the batch test's oracle proposes it.
@@ -96,8 +103,8 @@ def _watch(runner: Runner, outs: dict[int, list[int]]) -> None:
     done = runner._on_done
 
     def on_done(seq, result):
-        outs[id(seq.job)] = list(seq.out)
-        PROMPTS[id(seq.job)] = list(seq.tokens)
+        outs[id(seq.job.request)] = list(seq.out)
+        PROMPTS[id(seq.job.request)] = list(seq.tokens)
         if done is not None:
             done(seq, result)
 
@@ -233,9 +240,7 @@ def test_blocks_sealed_while_speculating_equal_plain_prefill(demo_root, tmp_path
             # seeded places, so the stored blocks come from every kind of verify round.
             truth, _ = await _generate(plain, _request(model, 3, False, use_cache=False))
             spec.scheduler.settings.speculation.drafter = lambda p: Corrupted(truth, seed=9)
-            runner, job = await spec.prepare(_request(model, 3))
-            prompt = list(job.prompt.tokens)
-            out, _ = await _generate(spec, _request(model, 3))
+            prompt, out, _ = await _generate_seen(spec, _request(model, 3))
             assert out == truth
             # The same tokens, prefilled plainly and stored, generating nothing.
             warm = GenerationRequest(model=model, prompt_tokens=prompt + out[:-1],

@@ -216,10 +216,9 @@ def _engine(demo_root, where, models=(MODEL,), **kw) -> Engine:
     )
 
 
-def _watch_drafters(engine: Engine, runner, **kw) -> list[Watched]:
-    """Every sequence of the runner's model drafts with a Watched head; returns them."""
+def _watch_drafters(engine: Engine, loaded, **kw) -> list[Watched]:
+    """Every sequence of `loaded`'s engine drafts with a Watched head; returns them."""
     made: list[Watched] = []
-    loaded = runner.loaded
 
     def make(prompt):
         made.append(Watched(loaded.mtp.head(), loaded.model, prompt, **kw))
@@ -256,18 +255,18 @@ def test_greedy_output_with_the_head_is_plain_decode(demo_root, tmp_path):
     stats = engine.scheduler.stats
 
     async def scenario():
-        runner, _ = await engine.prepare(_request(MODEL))
+        loaded = await engine.load(MODEL)
         plain, _ = await _generate(engine, _request(MODEL, speculative=False, use_cache=False))
         seen = {}
         spec = engine.scheduler.settings.speculation
         spec.min_draft = spec.max_draft = K
         for name, kw in [("head", {}), ("depth 2", {"depth": 2}),
                          ("oracle", {"truth": plain, "seed": 3})]:  # fmt: skip
-            made = _watch_drafters(engine, runner, **kw)
+            made = _watch_drafters(engine, loaded, **kw)
             before = (stats.spec_drafted, stats.spec_accepted)
             out, _ = await _generate(engine, _request(MODEL, use_cache=False))
             seen[name] = (out, made[0], before, (stats.spec_drafted, stats.spec_accepted))
-        return runner.loaded, plain, seen
+        return loaded, plain, seen
 
     loaded, plain, seen = _run(scenario())
     asyncio.run(engine.close())
@@ -318,14 +317,14 @@ def test_a_cache_hit_then_the_head_gives_what_plain_gives(demo_root, tmp_path):
     async def two_turns(name: str, speculative: bool):
         engine = _engine(demo_root, tmp_path / name)
         try:
-            runner, _ = await engine.prepare(_request(MODEL))
-            made = _watch_drafters(engine, runner)
+            loaded = await engine.load(MODEL)
+            made = _watch_drafters(engine, loaded)
             first, r1 = await _generate(engine, _request(MODEL, 7, speculative))
             follow = _request(MODEL, 7, speculative)
             follow.messages = [*follow.messages, Message("assistant", r1.text),
                                Message("user", "and again")]  # fmt: skip
             second, r2 = await _generate(engine, follow)
-            return first, second, r2, made, runner.loaded, engine.scheduler.stats.spec_drafted
+            return first, second, r2, made, loaded, engine.scheduler.stats.spec_drafted
         finally:
             await engine.close()
 
@@ -344,8 +343,8 @@ def test_mtp_without_a_head_decodes_plainly(demo_root, tmp_path, caplog):
     stats = engine.scheduler.stats
 
     async def scenario():
-        llama = (await engine.prepare(_request("demo-llama")))[0].loaded
-        hybrid = (await engine.prepare(_request(MODEL)))[0].loaded
+        llama = await engine.load("demo-llama")
+        hybrid = await engine.load(MODEL)
         plain, _ = await _generate(engine, _request("demo-llama", speculative=False))
         rounds = stats.spec_rounds
         out, _ = await _generate(engine, _request("demo-llama"))

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..cache.session_registry import SessionKey
+from ..cache.session_registry import SessionKey, SessionRecord
 from ..models import loading as models
 from ..scheduling.jobs import Job
+from ..served import ServedModels
 from ..types import EngineError
 from .catalog import ClientSessions, Freed, SessionView
 from .prune import GoneEntries
-
-if TYPE_CHECKING:
-    from ..engine import ModelEntry
 
 log = logging.getLogger("engine_bridge.sessions.catalog")
 
@@ -41,26 +39,18 @@ class Deleted:
 
 
 class SessionAdmin:
-    def __init__(self, sessions: ClientSessions, on_mlx: OnMlx, entries: Mapping[str, ModelEntry]):
+    def __init__(self, sessions: ClientSessions, on_mlx: OnMlx, served: ServedModels):
         self.sessions = sessions
         self.gone = GoneEntries(sessions)
         self._on_mlx = on_mlx
-        self._entries = entries  # the engine's models, by id
+        self._served = served  # the engine's models: their running jobs, the loaded ones
 
     def _live_jobs(self) -> list[tuple[str, Job]]:
-        """(model id, job) of every job submitted and not yet ended."""
-        return [
-            (model_id, job)
-            for model_id, entry in list(self._entries.items())
-            if entry.runner is not None
-            for job in list(entry.runner.live_jobs.values())
-        ]
+        return self._served.live_jobs()
 
     async def _fingerprint(self, model_id: str) -> str | None:
         """The cache's name for a model, loaded or not (None if its files are gone)."""
-        entry = self._entries.get(model_id)
-        if entry is None:
-            raise EngineError(f"model {model_id!r} is not served here", field="model", status=404)
+        entry = self._served.require(model_id)
         if entry.runner is not None:
             return entry.runner.loaded.fingerprint
         try:
@@ -71,6 +61,10 @@ class SessionAdmin:
     async def list(self, tenant: str | None = None) -> list[SessionView]:
         # Off the event loop: it reads the SSD index for every session's entries.
         return await asyncio.to_thread(self.sessions.views, tenant)
+
+    def records(self) -> list[SessionRecord]:
+        """Every session the registry knows, as it stands (what /metrics counts)."""
+        return self.sessions.registry.records()
 
     def _keys(self, session: str, tenant: str | None) -> list[SessionKey]:
         keys = [r.key for r in self.sessions.registry.find(session, tenant)]
@@ -111,9 +105,8 @@ class SessionAdmin:
         """Vision features the loaded models hold in RAM (MLX thread); those on SSD go with
         the clear's plan, like every other entry kind of their scope."""
         entries = nbytes = 0
-        for entry in self._entries.values():
-            loaded = entry.loaded
-            if loaded is None or loaded.vision is None:
+        for loaded in self._served.loaded():
+            if loaded.vision is None:
                 continue
             if fingerprint is None or loaded.fingerprint == fingerprint:
                 n, b = loaded.vision.feature_cache.clear(tenant)
