@@ -14,7 +14,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 from test_cache_http import ask_openai, long_system
 
-from bench.shared_relay import DelayRelay
+from bench.scenarios.shared_relay import DelayRelay
 from tests.redis_helpers import REDIS_SERVER, SKIP_REASON, RedisServer
 
 LLAMA, HYBRID = "demo-llama", "demo-hybrid"

@@ -144,7 +144,7 @@ class EngineCollector(Collector):
         yield gauge(
             "hit_ratio_alert", "1 while the hit-ratio alert is on", int(bool(stats["alert"]))
         )
-        yield from session_metrics(self.engine.sessions.registry.records(), time.time())
+        yield from session_metrics(self.engine.session_admin.records(), time.time())
 
 
 def stats_families(stats: dict) -> Iterator[Metric]:

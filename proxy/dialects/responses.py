@@ -248,7 +248,7 @@ class Answer:
 async def _start(request: web.Request, plan: Plan) -> Generation:
     engine = request.app[ENGINE]
     if plan.max_field is None:
-        await engine.runner(plan.req.model)  # loads it, as start would: its context is known
+        await engine.load(plan.req.model)  # as start would: its context is known
         context = engine.model_info(plan.req.model).context_length
         plan.req.max_tokens = min(DEFAULT_MAX_OUTPUT, context or DEFAULT_MAX_OUTPUT)
     try:
