@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from conftest import REPO, Server
-from prose import prose
 
 from engine_bridge.cache.ssd.format import verify_file
 from engine_bridge.cache.ssd.index import Index
+from tests.conftest import REPO, Server
+from tests.prose import prose
 
 LLAMA, HYBRID, SWA = "demo-llama", "demo-hybrid", "demo-swa"
 MAX_TOKENS = 16

@@ -12,7 +12,8 @@ import textwrap
 import anthropic
 import openai
 import pytest
-from conftest import REPO, fresh_cache_dir, start_server
+
+from tests.conftest import REPO, fresh_cache_dir, start_server
 
 # What the extras bring (test, bench, shared, vision); the base install has none of them.
 EXTRAS = ("redis", "mlx_vlm", "matplotlib", "playwright", "schemathesis", "hypothesis")

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("mlx_vlm")
 
-from conftest import REPO  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
 
 
 def test_vision_scenario_hits_after_the_image_and_matches_no_cache(tmp_path, demo_root):

@@ -11,10 +11,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from cache_driver import Driver, HitModel, Outcome, common_prefix
-from conftest import DEMO_IDS, fresh_cache_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.cache_driver import Driver, HitModel, Outcome, common_prefix
+from tests.conftest import DEMO_IDS, fresh_cache_dir
 
 SYSTEM = (
     "You are a careful assistant inside a small workshop that repairs clocks, radios and "

@@ -27,18 +27,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import fresh_cache_dir, start_server
-from ssd_server_helpers import (
-    HYBRID,
-    LLAMA,
-    NO_UPSTREAM,
-    QUESTIONS,
-    Conversation,
-    chat,
-    system_prompt,
-)
-from ssd_server_helpers import drained as drained_ssd
-from ssd_server_helpers import stats as server_stats
 
 from engine_bridge import kv
 from engine_bridge.cache.hashing import Chain
@@ -48,6 +36,18 @@ from engine_bridge.cache.ssd.index import Scope
 from engine_bridge.cache.ssd.store import SSDConfig, SSDStore
 from engine_bridge.cache.tier_writes import REWRITE_TRIES
 from engine_bridge.cache.tiers import TieredCache
+from tests.conftest import fresh_cache_dir, start_server
+from tests.ssd_server_helpers import (
+    HYBRID,
+    LLAMA,
+    NO_UPSTREAM,
+    QUESTIONS,
+    Conversation,
+    chat,
+    system_prompt,
+)
+from tests.ssd_server_helpers import drained as drained_ssd
+from tests.ssd_server_helpers import stats as server_stats
 
 BS = 4
 SCOPE = Scope("model-f")

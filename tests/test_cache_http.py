@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from cache_driver import Driver, common_prefix
-from conftest import DEMO_IDS, fresh_cache_dir, start_server
-from prose import prose
 
 from engine_bridge.models import loading as models
 from engine_bridge.prompting.render import CLAUDE_CODE_BILLING_HEADER, render_chat
 from engine_bridge.types import Message
+from tests.cache_driver import Driver, common_prefix
+from tests.conftest import DEMO_IDS, fresh_cache_dir, start_server
+from tests.prose import prose
 
 LLAMA = "demo-llama"
 # demo-llama: 2 layers × (K, V) × 2 KV heads × head dim 16 × 64 tokens × 4 bytes (float32).

@@ -11,8 +11,9 @@ import httpx
 import openai
 import orjson
 import pytest
-from conftest import fresh_cache_dir, start_server
-from test_cache_http import long_system
+
+from tests.conftest import fresh_cache_dir, start_server
+from tests.test_cache_http import long_system
 
 LLAMA, HYBRID = "demo-llama", "demo-hybrid"
 MODELS = (LLAMA, HYBRID)

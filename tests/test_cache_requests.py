@@ -9,11 +9,11 @@ import anthropic
 import httpx
 import openai
 import pytest
-from cache_driver import common_prefix
-from conftest import fresh_cache_dir, start_server
-from test_cache_http import long_system, tokens_of
 
 from engine_bridge.models import loading as models
+from tests.cache_driver import common_prefix
+from tests.conftest import fresh_cache_dir, start_server
+from tests.test_cache_http import long_system, tokens_of
 
 LLAMA = "demo-llama"
 DIVERGED = "x-prompt-cache-diverged-at"

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import time
 
-from test_cache_tiers import BS, EXTRA, SCOPE, block
-
 from engine_bridge import kv
 from engine_bridge.cache.evictions import EvictionRecord
 from engine_bridge.cache.hashing import Chain
 from engine_bridge.cache.ram.manager import CacheManager
 from engine_bridge.cache.ssd.store import SSDConfig, SSDStore
 from engine_bridge.cache.tiers import TieredCache
+from tests.test_cache_tiers import BS, EXTRA, SCOPE, block
 
 A = Chain(list(range(100, 116)), BS, EXTRA)  # 4 blocks
 B = Chain(list(range(300, 332)), BS, EXTRA)  # 8 blocks

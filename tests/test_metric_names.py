@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, fields, is_dataclass
 
-from test_metrics import FAULTS, P, Samples, _expected, _typed
-
 from engine_bridge.cache.checkpoint_writes import DeferredStats
 from engine_bridge.cache.ram.manager import CacheStats
 from engine_bridge.cache.shared.store import SharedStats
@@ -20,6 +18,7 @@ from engine_bridge.scheduling.scheduler import SchedulerStats
 from engine_bridge.vision.features import FeatureStats
 from proxy.cache_api import metric_names, metrics
 from proxy.cache_api.metrics_shared import shared_histograms
+from tests.test_metrics import FAULTS, P, Samples, _expected, _typed
 
 # Families that existed before, seen only with a daily SSD cap or a shared store.
 OLD_SHARED = """

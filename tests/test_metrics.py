@@ -15,10 +15,10 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import fresh_cache_dir, start_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cache_api import metric_names, metrics
+from tests.conftest import fresh_cache_dir, start_server
 
 LLAMA = "demo-llama"
 P = "mlx_prompt_cache_"

@@ -8,9 +8,10 @@ from __future__ import annotations
 import time
 
 import httpx
-from conftest import fresh_cache_dir, start_server
-from test_cache_http import long_system
-from test_cache_requests import FOLLOW_UP, LLAMA, QUESTION, ask, oai, recent
+
+from tests.conftest import fresh_cache_dir, start_server
+from tests.test_cache_http import long_system
+from tests.test_cache_requests import FOLLOW_UP, LLAMA, QUESTION, ask, oai, recent
 
 # Polls for a state the server reaches on its own (an eviction, an expiry), not timing.
 _WAIT_S = 120.0

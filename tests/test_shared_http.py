@@ -9,13 +9,13 @@ import time
 
 import httpx
 import pytest
-from conftest import fresh_cache_dir, start_server
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
-from test_cache_http import ask_openai, long_system
 
 from bench.scenarios.shared_relay import DelayRelay
+from tests.conftest import fresh_cache_dir, start_server
 from tests.redis_helpers import REDIS_SERVER, SKIP_REASON, RedisServer
+from tests.test_cache_http import ask_openai, long_system
 
 LLAMA, HYBRID = "demo-llama", "demo-hybrid"
 

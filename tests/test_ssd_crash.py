@@ -9,7 +9,10 @@ import subprocess
 import sys
 import time
 
-from ssd_helpers import (
+from engine_bridge.cache.kinds import EntryKind
+from engine_bridge.cache.ssd import files as ssd_files
+from engine_bridge.cache.tensors import HostTensor
+from tests.ssd_helpers import (
     REPO,
     SCOPE,
     as_bytes,
@@ -20,10 +23,6 @@ from ssd_helpers import (
     temp_files,
     tensors,
 )
-
-from engine_bridge.cache.kinds import EntryKind
-from engine_bridge.cache.ssd import files as ssd_files
-from engine_bridge.cache.tensors import HostTensor
 
 CHILD = """
 import sys

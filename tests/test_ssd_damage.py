@@ -14,8 +14,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import fresh_cache_dir, start_server
-from ssd_server_helpers import (
+
+from tests.conftest import fresh_cache_dir, start_server
+from tests.ssd_server_helpers import (
     HYBRID,
     LLAMA,
     NO_UPSTREAM,

@@ -12,7 +12,11 @@ from array import array
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ssd_helpers import (
+
+from engine_bridge.cache.kinds import EntryKind
+from engine_bridge.cache.ssd.format import FormatError, encode, parse_header, read_entry
+from engine_bridge.cache.tensors import DTYPE_SIZES, HostTensor
+from tests.ssd_helpers import (
     SCOPE,
     U64,
     as_bytes,
@@ -23,10 +27,6 @@ from ssd_helpers import (
     tensors,
     write,
 )
-
-from engine_bridge.cache.kinds import EntryKind
-from engine_bridge.cache.ssd.format import FormatError, encode, parse_header, read_entry
-from engine_bridge.cache.tensors import DTYPE_SIZES, HostTensor
 
 # ---- format and round trip ----------------------------------------------------------
 

@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from ssd_helpers import (
+
+from engine_bridge.cache.kinds import EntryKind
+from tests.ssd_helpers import (
     SCOPE,
     U64,
     as_bytes,
@@ -26,8 +28,6 @@ from ssd_helpers import (
     tensors,
     write,
 )
-
-from engine_bridge.cache.kinds import EntryKind
 
 # ---- reconcile ----------------------------------------------------------------------
 

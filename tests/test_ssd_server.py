@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from conftest import fresh_cache_dir, start_server
-from ssd_server_helpers import (
+
+from tests.conftest import fresh_cache_dir, start_server
+from tests.ssd_server_helpers import (
     HYBRID,
     LLAMA,
     MAX_TOKENS,

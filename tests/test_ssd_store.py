@@ -11,7 +11,10 @@ import threading
 import time
 from pathlib import Path
 
-from ssd_helpers import (
+from engine_bridge.cache.kinds import EntryKind
+from engine_bridge.cache.ssd.index import Scope
+from engine_bridge.cache.ssd.store import offline_clear, offline_ls, offline_stats
+from tests.ssd_helpers import (
     SCOPE,
     as_bytes,
     flip,
@@ -24,10 +27,6 @@ from ssd_helpers import (
     tensors,
     write,
 )
-
-from engine_bridge.cache.kinds import EntryKind
-from engine_bridge.cache.ssd.index import Scope
-from engine_bridge.cache.ssd.store import offline_clear, offline_ls, offline_stats
 
 # ---- lookup -------------------------------------------------------------------------
 

@@ -10,8 +10,9 @@ import struct
 import time
 
 import httpx
-from conftest import fresh_cache_dir, start_server
-from test_cache_http import long_system
+
+from tests.conftest import fresh_cache_dir, start_server
+from tests.test_cache_http import long_system
 
 HYBRID = "demo-hybrid"
 _WAIT_S = 120.0  # polls for a state the server reaches on its own, not timing

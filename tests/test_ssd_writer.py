@@ -6,7 +6,10 @@ from __future__ import annotations
 import threading
 import time
 
-from ssd_helpers import (
+from engine_bridge.cache.kinds import EntryKind
+from engine_bridge.cache.ssd import files as ssd_files
+from engine_bridge.cache.ssd.index import Scope
+from tests.ssd_helpers import (
     SCOPE,
     key,
     open_store,
@@ -15,10 +18,6 @@ from ssd_helpers import (
     tensors,
     write,
 )
-
-from engine_bridge.cache.kinds import EntryKind
-from engine_bridge.cache.ssd import files as ssd_files
-from engine_bridge.cache.ssd.index import Scope
 
 # ---- dedupe and queue ---------------------------------------------------------------
 

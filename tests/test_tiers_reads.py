@@ -11,8 +11,6 @@ import shutil
 import time
 
 import pytest
-from cache_driver import Driver
-from conftest import fresh_cache_dir
 
 from engine_bridge import kv
 from engine_bridge.cache.hashing import Chain
@@ -24,6 +22,8 @@ from engine_bridge.cache.ssd.store import SSDConfig, SSDStore
 from engine_bridge.cache.tiers import TieredCache
 from engine_bridge.cache.write_policy import WritePolicy
 from engine_bridge.prompt_cache import CacheSession
+from tests.cache_driver import Driver
+from tests.conftest import fresh_cache_dir
 from tests.tier_payloads import BS, block, checkpoint, make_chain
 
 SCOPE = Scope("model-q")

@@ -18,7 +18,6 @@ pytest.importorskip("mlx_vlm")
 
 import anthropic  # noqa: E402
 import httpx  # noqa: E402
-from conftest import fresh_cache_dir, start_server  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from engine_bridge.cache.hashing import Chain  # noqa: E402
@@ -33,6 +32,7 @@ from engine_bridge.types import ImageInput  # noqa: E402
 from engine_bridge.vision import model as vision  # noqa: E402
 from engine_bridge.vision import prompt as vp  # noqa: E402
 from engine_bridge.vision.features import FeatureCache  # noqa: E402
+from tests.conftest import fresh_cache_dir, start_server  # noqa: E402
 from tests.redis_helpers import redis_server_fixture  # noqa: E402, F401
 
 MODEL = "demo-vision"

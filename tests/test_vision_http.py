@@ -20,8 +20,9 @@ pytest.importorskip("mlx_vlm")
 import anthropic  # noqa: E402
 import httpx  # noqa: E402
 import openai  # noqa: E402
-from conftest import fresh_cache_dir, start_server  # noqa: E402
 from PIL import Image  # noqa: E402
+
+from tests.conftest import fresh_cache_dir, start_server  # noqa: E402
 
 MODEL = "demo-vision"
 SYSTEM = (

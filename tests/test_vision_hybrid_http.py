@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("mlx_vlm")
 
-from conftest import start_server  # noqa: E402
-from test_vision_http import Chat, image_block, turn_two_after_a_restart  # noqa: E402
+from tests.conftest import start_server  # noqa: E402
+from tests.test_vision_http import Chat, image_block, turn_two_after_a_restart  # noqa: E402
 
 MODEL = "demo-vision-hybrid"
 
