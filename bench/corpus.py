@@ -14,8 +14,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # The benchmark's own code is left out so that editing it does not change its traces.
-_SOURCE_GLOBS = ("proxy/*.py", "engine_bridge/*.py", "engine_bridge/**/*.py", "tests/*.py")
-_EXCLUDE = ("tests/test_bench.py", "engine_bridge/probes/shapes.py")
+_SOURCE_GLOBS = ("proxy/**/*.py", "engine_bridge/**/*.py", "tests/**/*.py")
+_EXCLUDE = ("tests/ops/test_bench.py", "engine_bridge/probes/shapes.py")
 
 # Working notes for an assistant on this project, in the voice of a design document.
 GUIDE = """\

@@ -265,7 +265,7 @@ def _tool_call(rng: random.Random, name: str, chars: int) -> tuple[dict[str, Any
         entries = [f"- {f.path.rsplit('/', 1)[1]}" for f in files if f.path.startswith(d + "/")]
         return {"path": root + d}, f"- {root}{d}/\n" + "\n".join(entries)
     if name == "run_tests":
-        tests = [f.path for f in files if f.path.startswith("tests/test_")]
+        tests = [f.path for f in files if f.path.rsplit("/", 1)[-1].startswith("test_")]
         picked = rng.sample(tests, min(3, len(tests)))
         lines = [f"{t} {'.' * rng.randint(3, 30)}" for t in picked]
         return {"targets": picked}, "\n".join(

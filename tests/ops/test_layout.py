@@ -1,0 +1,159 @@
+"""The layout's rules (docs/architecture.md), read from the source: no import circles, wings
+that import only what they may, no crowded package and no overlong module.
+
+Every import counts, wherever it sits: at the top, inside a function, or under
+`TYPE_CHECKING`, since a circle drawn only for the type checker is still a circle a reader
+has to follow.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCES = ("engine_bridge", "proxy", "bench")
+MAX_MODULES = 12  # per package, at one level (docs/architecture.md)
+MAX_LINES = 500
+
+
+@cache
+def modules() -> dict[str, Path]:
+    out = {}
+    for top in SOURCES:
+        for path in (REPO / top).rglob("*.py"):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _imported(name: str, path: Path, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+@cache
+def imports() -> dict[str, frozenset[str]]:
+    """Module -> every module it imports (internal ones by module, others by top name)."""
+    mods = modules()
+
+    def internal(target: str) -> str:
+        while target and target not in mods:
+            target = target.rpartition(".")[0]
+        return target
+
+    graph = {}
+    for name, path in mods.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _imported(name, path, node)
+                targets = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
+                targets = targets or [base]
+            else:
+                continue
+            for t in targets:
+                found.add(internal(t) or t.split(".")[0])
+        found.discard(name)
+        graph[name] = frozenset(found)
+    return graph
+
+
+def circles(graph: dict[str, frozenset[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root] & graph.keys())))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w] & graph.keys()))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    component = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        component.append(w)
+                        if w == v:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_the_circle_finder_finds_a_circle():
+    graph = {"a": frozenset({"b"}), "b": frozenset({"c"}), "c": frozenset({"a"}), "d": frozenset()}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": frozenset({"b"}), "b": frozenset()}) == []
+
+
+def test_no_import_circles():
+    assert circles(imports()) == []
+
+
+def test_no_package_is_crowded_and_no_module_is_long():
+    crowded = {}
+    for top in SOURCES:
+        for folder in [REPO / top, *(p for p in (REPO / top).rglob("*") if p.is_dir())]:
+            n = sum(1 for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+            if n > MAX_MODULES:
+                crowded[str(folder.relative_to(REPO))] = n
+    assert crowded == {}
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in [*modules().values(), *(REPO / "tests").rglob("*.py")]
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
+    assert long == {}
+
+
+def _reaching(prefix: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    return {
+        m: sorted(t for t in targets if t.split(".")[0] in forbidden or t.startswith(forbidden))
+        for m, targets in imports().items()
+        if m == prefix or m.startswith(prefix + ".")
+        if any(t.split(".")[0] in forbidden or t.startswith(forbidden) for t in targets)
+    }
+
+
+def test_each_wing_imports_only_what_it_may():
+    # Only engine_bridge/ touches mlx; proxy/ and bench/ reach it through the engine.
+    assert _reaching("proxy", ("mlx", "mlx_lm", "mlx_vlm")) == {}
+    assert _reaching("bench", ("mlx", "mlx_lm", "mlx_vlm")) == {}
+    # The engine knows nothing of HTTP or of who measures it.
+    assert _reaching("engine_bridge", ("proxy", "bench", "aiohttp")) == {}
+    # The cache knows nothing of the scheduler, the facade or the sessions built on it.
+    upward = ("engine_bridge.scheduling", "engine_bridge.engine", "engine_bridge.sessions",
+              "engine_bridge.prompt_cache", "engine_bridge.vision", "engine_bridge.models")  # fmt: skip
+    assert _reaching("engine_bridge.cache", upward) == {}
+    # The shared tier's package imports no redis until a store is made.
+    shared = modules()["engine_bridge.cache.shared"]
+    assert "redis" not in imports()["engine_bridge.cache.shared"], shared
