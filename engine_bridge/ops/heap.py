@@ -5,7 +5,7 @@ Also `tune`: glibc raises its mmap threshold each time a large mmapped block is 
 land in the heap arenas, between small long-lived objects that pin the pages: over 10,000
 soak requests, 46 → 76 MB sat free but kept, and RSS peaked 49 MB higher than with the
 threshold fixed at its 128 KiB default, where free-but-kept stayed 16-22 MB at the same
-request rate (tests/soak.py, side by side).
+request rate (tests/tools/soak.py, side by side).
 
 glibc's malloc keeps what a thread frees in that thread's arena for reuse. A server whose
 request threads, MLX thread and SSD writer allocate and free all day holds on to tens of

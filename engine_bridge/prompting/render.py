@@ -189,7 +189,7 @@ def _encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[int
 # roles seen before) is rendered for real once, at its first occurrence, which is early and
 # so short, and its answer, a header or no start, is reused for the rest. That reuse assumes
 # a template decides these from such local facts, as ChatML, Qwen3 and the other templates in
-# tests/test_prompt_render.py do. The rest is checked, and where a check fails the prefixes
+# tests/prompting/test_prompt_render.py do. The rest is checked, and where a check fails the prefixes
 # are rendered as before:
 # - the tagged render, tags removed, must be the full prompt exactly, every tag once, and
 #   messages in order; else every prefix is rendered;

@@ -10,7 +10,7 @@ the same vocabulary size and so the same weights.
 
 Each family carries example answers in its real markup, reasoning first: one call and two
 calls, as the model writes them right after the family's generation prompt. Forcing a model
-to write one of them must give back `reasoning` and `calls` (tests/test_demo_templates.py
+to write one of them must give back `reasoning` and `calls` (tests/prompting/test_demo_templates.py
 checks each text with the family's mlx-lm parser).
 """
 
