@@ -25,6 +25,13 @@ class CheckpointReason(StrEnum):
     GENERATION_END = "generation_end"
 
 
+class PutReason(StrEnum):
+    """Why an entry is written to SSD: counted apart in the SSD stats."""
+
+    SPILL = "spill"  # the RAM tier evicted it
+    WRITE_THROUGH = "write_through"  # written as it was stored (the write policy)
+
+
 class SavePoint(StrEnum):
     """Where the runner hands computed state to the cache: the three save points."""
 

@@ -27,12 +27,12 @@ from engine_bridge.cache.checkpoint_writes import (
     skip_if_superseded,
 )
 from engine_bridge.cache.hashing import BlockHash, Chain
-from engine_bridge.cache.kinds import CheckpointReason, EntryKind
+from engine_bridge.cache.kinds import CheckpointReason, EntryKind, PutReason
 from engine_bridge.cache.ram.checkpoints import Checkpoint
 from engine_bridge.cache.ram.manager import CacheManager, Entry
 from engine_bridge.cache.ram.matching import Match
 from engine_bridge.cache.ssd.index import Scope
-from engine_bridge.cache.ssd.store import PutOutcome, PutReason, SSDStore
+from engine_bridge.cache.ssd.store import PutOutcome, SSDStore
 from engine_bridge.cache.tensors import HostTensor
 from engine_bridge.cache.write_policy import SPARSE_PERIODIC_EVERY, WritePolicy
 
@@ -163,9 +163,9 @@ class TierWrites:
                     # this turn's own checkpoints supersede it within seconds.
                     self._defer(chain, entry)
                 else:
-                    self._write_checkpoint(chain, entry, "write_through")
+                    self._write_checkpoint(chain, entry, PutReason.WRITE_THROUGH)
             elif self.policy is WritePolicy.SECOND_USE:
-                self._put(entry, "write_through")
+                self._put(entry, PutReason.WRITE_THROUGH)
 
     def resumed(self, chain: Chain, length: int) -> None:
         """A request on `chain` resumes at `length` (for `_periodic_due`)."""
@@ -209,14 +209,14 @@ class TierWrites:
         sparse = reason is CheckpointReason.PERIODIC and self._periodic_due(chain, scope, position)
         if sparse:
             # Written even once superseded: a crash in a long prefill resumes here.
-            self._write_checkpoint(chain, entry, "write_through", skip=False)
+            self._write_checkpoint(chain, entry, PutReason.WRITE_THROUGH, skip=False)
             self._periodic_written[entry.key] = None
             if len(self._periodic_written) > _PERIODIC_MEMO:
                 self._periodic_written.popitem(last=False)
         elif self._hold_back(entry):
             self._defer(chain, entry)
         else:
-            self._write_checkpoint(chain, entry, "write_through")
+            self._write_checkpoint(chain, entry, PutReason.WRITE_THROUGH)
 
     def _hold_back(self, entry: Checkpoint) -> bool:
         """Whether a write-through checkpoint waits for a deeper one to supersede it: one
@@ -310,7 +310,7 @@ class TierWrites:
         )  # fmt: skip
 
     def _write_path(
-        self, hashes: Sequence[BlockHash], scope: Scope, why: PutReason = "write_through"
+        self, hashes: Sequence[BlockHash], scope: Scope, why: PutReason = PutReason.WRITE_THROUGH
     ) -> bool:
         """Write the blocks of `hashes` RAM holds and the SSD lacks, shallowest first, ahead
         of a snapshot model's checkpoint (the writer keeps their order, so a crash never
@@ -361,9 +361,9 @@ class TierWrites:
             return
         if entry.kind is EntryKind.CHECKPOINT:
             if not self.deferred.release(entry.key):  # a held-back write, due now
-                self._write_checkpoint(None, entry, "spill")
+                self._write_checkpoint(None, entry, PutReason.SPILL)
             return
-        self._put(entry, "spill")
+        self._put(entry, PutReason.SPILL)
 
     def _put(self, entry: Entry, why: PutReason) -> PutOutcome | None:
         stored = entry.payload
@@ -379,7 +379,7 @@ class TierWrites:
         key: BlockHash,
         tokens: int,
         reason: CheckpointReason | None,
-        why: PutReason = "write_through",
+        why: PutReason = PutReason.WRITE_THROUGH,
         skip: Callable[[], bool] | None = None,
     ) -> PutOutcome | None:
         if self.ssd is None or stored.on_ssd:
@@ -438,7 +438,7 @@ class TierWrites:
                 entry.payload.on_ssd = True  # its file survived, and the new index has it
                 continue
             try:
-                outcome = self._put(entry, "write_through")
+                outcome = self._put(entry, PutReason.WRITE_THROUGH)
             except Exception as e:  # e.g. at close, off the MLX thread (see `close`)
                 self._rewrite_failed(kind, key, tries + 1, e)
                 break

@@ -311,9 +311,10 @@ class Index:
         """Per model and tenant: entries, blocks, checkpoints, bytes, tokens, last access."""
         with self._lock:
             cur = self._conn.execute(
-                "SELECT model, tenant, count(*), sum(kind='blocks'), sum(kind='checkpoints'), "
+                "SELECT model, tenant, count(*), sum(kind=?), sum(kind=?), "
                 "sum(size), sum(tokens), max(last_access) FROM entries "
-                "GROUP BY model, tenant ORDER BY model, tenant"
+                "GROUP BY model, tenant ORDER BY model, tenant",
+                (EntryKind.BLOCK.value, EntryKind.CHECKPOINT.value),
             )
             names = ("model", "tenant", "entries", "blocks", "checkpoints", "bytes")
             return [dict(zip(names + ("tokens", "last_access"), row, strict=True)) for row in cur]

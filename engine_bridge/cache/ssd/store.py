@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from engine_bridge.cache.evictions import Cause, EvictionRecord
-from engine_bridge.cache.kinds import EntryKind
+from engine_bridge.cache.kinds import EntryKind, PutReason
 from engine_bridge.cache.ssd import files, health, maintenance
 from engine_bridge.cache.ssd.format import encode
 from engine_bridge.cache.ssd.index import EntryRow, Index, RawId, Scope
@@ -30,7 +30,6 @@ from engine_bridge.cache.ssd.types import (
     Counters,
     OnLost,
     PutOutcome,
-    PutReason,
     SSDConfig,
     SSDEntry,
     SSDStats,
@@ -41,7 +40,6 @@ from engine_bridge.cache.tensors import HostTensor
 
 __all__ = [
     "PutOutcome",
-    "PutReason",
     "ReconcileReport",
     "SSDConfig",
     "SSDEntry",
@@ -113,7 +111,7 @@ class SSDStore:
         *,
         tokens: int = 0,
         tags: str = "",
-        reason: PutReason = "write_through",
+        reason: PutReason = PutReason.WRITE_THROUGH,
         skip: Callable[[], bool] | None = None,
     ) -> PutOutcome:
         """Queue an entry for writing; never blocks, never raises on I/O.
@@ -123,7 +121,7 @@ class SSDStore:
         useless while it waited (a checkpoint superseded by a deeper one).
         """
         assert isinstance(kind, EntryKind), f"kind {kind!r} is not an EntryKind"
-        assert reason in ("spill", "write_through"), f"reason {reason!r}"
+        reason = PutReason(reason)  # a stray string fails here, naming itself
         assert len(key) == 32, f"entry key must be 32 bytes, got {len(key)}"
         if self._disabled_reason is not None:
             return self._count("disabled_drops", "disabled")
@@ -415,7 +413,7 @@ class SSDStore:
             v = self._c.values
             v["writes"] += 1
             v["bytes_written"] += size
-            v["spills" if job.reason == "spill" else "write_throughs"] += 1
+            v["spills" if job.reason is PutReason.SPILL else "write_throughs"] += 1
         self.wear.record(size)
         if index.totals()[1] > self.config.max_bytes:
             self._flush_touches()

@@ -13,7 +13,6 @@ from typing import Any, Literal, NamedTuple
 from engine_bridge.cache.ssd.index import Scope
 from engine_bridge.cache.tensors import HostTensor
 
-PutReason = Literal["spill", "write_through"]
 PutOutcome = Literal["queued", "duplicate", "dropped", "disabled"]
 # Told that entries it put may be gone from disk (of one scope, or None: all of them);
 # returns how many entries it still holds in RAM and will put again.

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from engine_bridge.cache.kinds import PutReason
 from engine_bridge.cache.ssd.index import RawId
 from engine_bridge.cache.tensors import HostTensor
 
@@ -31,7 +32,7 @@ class WriteJob:
     meta: dict[str, str]
     tokens: int
     tags: str
-    reason: str
+    reason: PutReason
     nbytes: int
     # Asked just before writing: True drops the job (it became useless while it waited).
     skip: Callable[[], bool] | None = None
