@@ -21,6 +21,7 @@ from engine_bridge.kv.payloads import (
     DenseKV,
     PagedKV,
     Payload,
+    PayloadKind,
     QuantKV,
     RotatingState,
     Snapshot,
@@ -106,11 +107,11 @@ def payload_to_host(payload: Payload) -> tuple[dict[str, HostTensor], dict[str, 
     arrays: dict[str, mx.array] = {}
     meta = {"format": FORMAT}
     if isinstance(payload, BlockPayload):
-        meta |= {"kind": "block", "start": str(payload.start), "tokens": str(payload.tokens)}
+        meta |= {"kind": PayloadKind.BLOCK.value, "start": str(payload.start), "tokens": str(payload.tokens)}
         kv: tuple[PagedKV, ...] = payload.kv
     else:
         meta |= {
-            "kind": "checkpoint",
+            "kind": PayloadKind.CHECKPOINT.value,
             "position": str(payload.position),
             "block_size": str(payload.block_size),
             "snapshots": str(len(payload.snapshots)),
@@ -211,12 +212,12 @@ def _read_payload(tensors: Mapping[str, HostTensor], meta: Mapping[str, str]) ->
     kind = r.text("kind")
     (n_kv,) = r.ints("kv", r.text("kv"), 1)
     payload: Payload
-    if kind == "block":
+    if kind == PayloadKind.BLOCK:
         (start,) = r.ints("start", r.text("start"), 1)
         (tokens,) = r.ints("tokens", r.text("tokens"), 1)
         kv = tuple(r.kv(f"kv.{i}", tokens) for i in range(n_kv))
         payload = BlockPayload(start, tokens, kv)
-    elif kind == "checkpoint":
+    elif kind == PayloadKind.CHECKPOINT:
         (position,) = r.ints("position", r.text("position"), 1)
         (block_size,) = r.ints("block_size", r.text("block_size"), 1)
         (n_snap,) = r.ints("snapshots", r.text("snapshots"), 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import mlx.core as mx
 
@@ -77,6 +78,13 @@ class RotatingState:
 
 
 Snapshot = ArraysState | RotatingState
+
+
+class PayloadKind(StrEnum):
+    """What a stored payload is, as its metadata spells it on SSD and in the shared store."""
+
+    BLOCK = "block"
+    CHECKPOINT = "checkpoint"
 
 
 @dataclass(slots=True)
