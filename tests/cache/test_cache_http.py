@@ -358,9 +358,13 @@ def test_a_tiny_ram_budget_evicts_and_answers_stay_equal_to_bypass(demo_root, tm
         assert driver.engine.stats()["ram"]["evicted_blocks"] == ram.evicted_blocks
         # Round two finds its prompts evicted from RAM: the SSD tier, if any, serves them
         # whole; without one, only a few template tokens shared by all prompts are left.
-        # (demo-hybrid resumes where its reply opens `<think>`, one token short of the end.)
+        # demo-hybrid resumes at a checkpoint: where its reply opens `<think>` (one token
+        # short of the end) when that one reached the SSD, else the last message's start
+        # (19 short). Which one survives the tiny budget's evictions and supersedes varied
+        # between full-suite runs (never alone); both are far from the > 300 of no SSD.
         if ssd:
-            assert sources[8:] == [("ssd", 0)] * 4 + [("ssd", 1)] * 4, str(sources[8:])
+            assert sources[8:12] == [("ssd", 0)] * 4, str(sources[8:])
+            assert all(s == "ssd" and left in (1, 19) for s, left in sources[12:]), sources
         else:
             assert all(source != "ssd" and left > 300 for source, left in sources[8:])
     finally:
