@@ -85,14 +85,11 @@ class Decoding:
             return
         seq.spec.update(len(drafts), out.accepted)
         stats.decode_s += time.perf_counter() - t0
-        stats.decode_steps += 1
-        stats.decode_rows += 1
-        stats.decode_tokens += out.committed
+        stats.count_step(rows=1, tokens=out.committed)
         stats.spec_rounds += 1
         stats.spec_drafted += len(drafts)
         stats.spec_accepted += out.accepted
         stats.spec_replays += out.replayed
-        stats.largest_batch = max(stats.largest_batch, 1)
         if out.finished:
             self._retire([0])
 
@@ -144,10 +141,7 @@ class Decoding:
             self._fail_running(e)
             return
         stats.decode_s += time.perf_counter() - t0
-        stats.decode_steps += 1
-        stats.decode_tokens += len(self.running)
-        stats.decode_rows += len(self.running)
-        stats.largest_batch = max(stats.largest_batch, len(self.running))
+        stats.count_step(rows=len(self.running), tokens=len(self.running))
         finished = []
         for row, (seq, tok) in enumerate(zip(self.running, values, strict=True)):
             request_id.set(seq.job.request.request_id or "-")

@@ -80,6 +80,14 @@ class SchedulerStats:
     spec_replays: int = 0
     spec_paused_steps: int = 0
 
+    def count_step(self, rows: int, tokens: int) -> None:
+        """One decode model step (plain or a verify pass) over `rows` sequences that took
+        `tokens` tokens in all."""
+        self.decode_steps += 1
+        self.decode_rows += rows
+        self.decode_tokens += tokens
+        self.largest_batch = max(self.largest_batch, rows)
+
     @property
     def mean_batch(self) -> float:
         return round(self.decode_rows / self.decode_steps, 2) if self.decode_steps else 0.0
