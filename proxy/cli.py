@@ -293,6 +293,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"mlx-prompt-cache: {e.message}", file=sys.stderr)
         return 2
     engine.before_load = before_load_hook(config)
+    from engine_bridge.ops.blas import cpu_blas
+
+    if (advice := cpu_blas().advice()) is not None:  # Linux on mlx[cpu] only
+        log.warning("%s", advice)
     app = create_app(engine, proxy_settings(config), config.upstream, policy)
     asyncio.run(_run(app, config.server.host, config.server.port))
     # Everything is drained and closed by now. Skip interpreter finalization: MLX frees a

@@ -21,6 +21,7 @@ from engine_bridge.models import discovery
 from engine_bridge.models.demo.specs import DEMO_MODEL_IDS, is_demo_model
 from engine_bridge.models.loading import ModelRef, resolve
 from engine_bridge.models.preflight import gb, weights_bytes
+from engine_bridge.ops.blas import cpu_blas
 from engine_bridge.types import EngineError
 
 from .config.model import Config
@@ -172,6 +173,7 @@ async def diagnose(config: Config) -> dict[str, Any]:
         "memory": _memory(config, [r["weights_bytes"] for r in rows]),
         "extras": {name: importlib.util.find_spec(name) is not None for name in EXTRAS},
         "programs": {name: shutil.which(name) for name in PROGRAMS},
+        "cpu_blas": {"name": (blas := cpu_blas()).name, "advice": blas.advice()},
     }
 
 
@@ -252,4 +254,8 @@ def render(report: dict[str, Any]) -> str:
     out += ["", "Programs on PATH"]
     for name, where in report["programs"].items():
         out.append(f"  {name:17} {where or 'not found'}")
+    blas = report["cpu_blas"]
+    out += ["", f"MLX's CPU BLAS: {blas['name']}"]
+    if blas["advice"]:
+        out.append(f"  {blas['advice']}")
     return "\n".join(out)

@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from engine_bridge.ops.blas import cpu_blas, mapped_blas, openblas_env
+
 from ..results import Number, Row, Sample, ScenarioResult, median, ratio
 from ..servers import REPO
 
@@ -282,18 +284,41 @@ async def _measure(engine, model_id: str, case: Case, sizes: Sizes) -> dict[str,
 
 
 def scenario(settings, model, sizes: Sizes | None = None) -> list[ScenarioResult]:
-    """The bench's `speculative` scenario: one result per demo model."""
+    """The bench's `speculative` scenario: one result per demo model and CPU BLAS.
+
+    On Linux, where the mlx[cpu] wheel's reference BLAS costs linearly in the rows a pass
+    carries (engine_bridge/ops/blas.py), the models run once on it and once more with a system
+    OpenBLAS preloaded, whose cost, like a Mac's, barely grows from 1 row to 9."""
     sizes = sizes or Sizes.of(settings)
     # Reuse the bench's demo builds when --model is one; else build them under --out.
     root = model.path.parent.parent if model.is_demo else settings.out
-    out = settings.out / "work" / "speculative" / "speculative.json"
+    results = []
+    for label, env in blas_runs():
+        out = settings.out / "work" / "speculative" / f"speculative{label and '-' + label}.json"
+        results += _run_child(settings, root, out, sizes, label, env)
+    return results
+
+
+def blas_runs() -> list[tuple[str, dict[str, str] | None]]:
+    """(label, environment) per child: "" for the BLAS this process would use, then
+    "openblas" with it preloaded where the first is the wheel's reference BLAS."""
+    blas = cpu_blas()
+    runs: list[tuple[str, dict[str, str] | None]] = [("", None)]
+    if blas.reference and blas.openblas is not None:
+        runs.append(("openblas", openblas_env(blas.openblas)))
+    return runs
+
+
+def _run_child(settings, root: Path, out: Path, sizes: Sizes, label: str,
+               env: dict[str, str] | None) -> list[ScenarioResult]:  # fmt: skip
     cmd = [sys.executable, "-m", "bench.scenarios.speculative", "--root", str(root), "--out", str(out),
            "--seed", str(settings.seed), "--lines", str(sizes.lines),
            "--span-tokens", str(sizes.span_tokens), "--repeats", str(sizes.repeats)]  # fmt: skip
-    settings.progress(f"[speculative] {', '.join(MODELS)}: {sizes.repeats} interleaved runs of "
-                      f"{', '.join(CONFIGS)}")  # fmt: skip
+    on = f" on {BLAS_LABELS[label]}" if label else ""
+    settings.progress(f"[speculative] {', '.join(MODELS)}{on}: {sizes.repeats} interleaved runs "
+                      f"of {', '.join(CONFIGS)}")  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+                            text=True, env=env)  # fmt: skip
     assert proc.stderr is not None
     tail: deque[str] = deque(maxlen=40)
     for line in proc.stderr:
@@ -301,21 +326,34 @@ def scenario(settings, model, sizes: Sizes | None = None) -> list[ScenarioResult
         if line.startswith("speculative: "):
             settings.progress("[speculative] " + line.removeprefix("speculative: ").rstrip())
     if proc.wait() != 0 or not out.is_file():
-        failed = ScenarioResult("speculative", ",".join(MODELS))
-        failed.errors.append(f"bench.scenarios.speculative exited {proc.returncode}: {''.join(tail)}")
+        failed = ScenarioResult("speculative", _name(",".join(MODELS), label))
+        failed.errors.append(
+            f"bench.scenarios.speculative exited {proc.returncode}: {''.join(tail)}"
+        )
         return [failed.finish()]
     answer = json.loads(out.read_text())
-    return [summarize(answer, m) for m in answer["models"]]
+    return [summarize(answer, m, label) for m in answer["models"]]
 
 
-def summarize(answer: dict[str, Any], measured: dict[str, Any]) -> ScenarioResult:
-    """One model's runs as the report's rows; a changed output is an error."""
-    result = ScenarioResult("speculative", measured["model"])
+BLAS_LABELS = {"openblas": "OpenBLAS (preloaded)"}
+
+
+def _name(model: str, label: str) -> str:
+    return f"{model} [{BLAS_LABELS[label]}]" if label else model
+
+
+def summarize(answer: dict[str, Any], measured: dict[str, Any], label: str = "") -> ScenarioResult:
+    """One model's runs as the report's rows; a changed output is an error, and so is a
+    preload that did not take."""
+    result = ScenarioResult("speculative", _name(measured["model"], label))
     result.seconds = measured.get("seconds", 0.0)
     if "error" in measured:
         result.errors.append(measured["error"])
         return result
     case, sizes = answer["case"], answer["sizes"]
+    mapped = answer.get("blas", [])
+    if label == "openblas" and not any("openblas" in p.lower() for p in mapped):
+        result.errors.append(f"OpenBLAS was to be preloaded but the process mapped {mapped}")
     runs = measured["runs"]
     expected = case["edited"]
     changed = [r for r in runs if r["text"] != expected or r["completion_tokens"]
@@ -382,6 +420,8 @@ def summarize(answer: dict[str, Any], measured: dict[str, Any]) -> ScenarioResul
         "every configuration must write the same text: "
         + ("it did." if not changed else "IT DID NOT (see the errors).")
     )
+    result.notes.append(f"CPU BLAS: {answer.get('blas_name', '?')}; mapped: "
+                        f"{', '.join(Path(p).name for p in mapped) or 'none'}.")  # fmt: skip
     return result
 
 
@@ -419,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     forced.write_text(json.dumps({"outputs": [{"match": f"Here is {case.path}",
                                                "text": case.edited}]}))  # fmt: skip
     os.environ[ENV] = str(forced)
-    answer: dict[str, Any] = {"case": asdict(case), "sizes": asdict(sizes), "models": []}
+    answer: dict[str, Any] = {"case": asdict(case), "sizes": asdict(sizes), "models": [],
+                              "blas_name": cpu_blas().name}  # fmt: skip
     for m in models:
         started = time.perf_counter()
         try:
@@ -428,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             measured = {"model": m, "error": f"{type(e).__name__}: {e}", "runs": []}
         measured["seconds"] = time.perf_counter() - started
         answer["models"].append(measured)
+    answer["blas"] = mapped_blas()  # after the engine imported mlx
     args.out.write_text(json.dumps(answer, indent=1))
     return 0
 

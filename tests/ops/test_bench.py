@@ -415,8 +415,11 @@ def test_speculative_scenario_reports_every_drafter_on_every_demo_model(tmp_path
     lines: list[str] = []
     settings = Settings(tmp_path, model, [], quick=True, progress=lines.append)
     results = speculative.scenario(settings, model, speculative.TINY)
+    runs = [label for label, _ in speculative.blas_runs()]
     assert [(r.scenario, r.model, r.errors) for r in results] == [
-        ("speculative", m, []) for m in speculative.MODELS
+        ("speculative", speculative._name(m, label), [])
+        for label in runs
+        for m in speculative.MODELS
     ]
     others = speculative.CONFIGS[1:]
     for r in results:
@@ -437,6 +440,12 @@ def test_speculative_scenario_reports_every_drafter_on_every_demo_model(tmp_path
         assert m["lookup_acceptance"] > 0.5
         assert "target ≥ 2× off: " in r.rows[1].note and "target ≥ 0.95× off: " in r.rows[3].note
     assert any("[speculative] demo-swa wrong 1/1: " in ln for ln in lines), lines
+    # Each result names the BLAS it ran on, and a preload shows in the process's maps.
+    for r in results:
+        blas = r.notes[-1]
+        assert blas.startswith("CPU BLAS: "), r.notes
+        if r.model.endswith("[OpenBLAS (preloaded)]"):
+            assert "(preloaded)" in blas and "openblas" in blas.split("mapped: ")[1].lower()
     # A run that wrote something else is an error, not a row to read.
     answer = json.loads((tmp_path / "work" / "speculative" / "speculative.json").read_text())
     measured = answer["models"][0]

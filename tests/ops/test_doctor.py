@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from engine_bridge.models.preflight import weights_bytes
+from engine_bridge.ops.blas import cpu_blas
 from proxy.doctor import EXTRAS, PROGRAMS
 from tests.conftest import REPO, free_port
 from tests.support.fake_lmstudio import FakeLmStudio, FakeModel, lmstudio_model_folder
@@ -89,6 +90,9 @@ def test_doctor_reports_what_lm_studio_holds_the_memory_figures_and_the_extras(d
     assert set(report["extras"]) == set(EXTRAS)
     assert all(isinstance(v, bool) for v in report["extras"].values())
     assert set(report["programs"]) == set(PROGRAMS)
+    blas = cpu_blas()  # the doctor ran in this environment
+    assert report["cpu_blas"] == {"name": blas.name, "advice": blas.advice()}
+    assert f"\nMLX's CPU BLAS: {blas.name}\n" in out + "\n"
 
 
 def test_doctor_says_lm_studio_is_unreachable_and_still_exits_0(demo_root, tmp_path):
