@@ -112,7 +112,8 @@ def mapped_blas() -> list[str]:
         return []
     seen: list[str] = []
     for line in maps.splitlines():
-        path = line.split()[-1] if line.split() else ""
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode[, path]
+        path = fields[5] if len(fields) == 6 else ""
         name = Path(path).name.lower()
         if path.startswith("/") and ("blas" in name or "mkl" in name) and path not in seen:
             seen.append(path)
