@@ -69,18 +69,23 @@ class OutputRule:
     def apply(self, logits: mx.array) -> mx.array:
         """[1, V] logits with this step's rule applied."""
         forced = self.next_forced()
-        ids = mx.arange(logits.shape[-1])
         if forced is not None:
+            ids = mx.arange(logits.shape[-1])
             # `logits * 0`, not `zeros_like`: the token must still depend on the model's
             # pass, or a plain step evaluates nothing and its forward pass (and the cache
             # update in it) piles up lazily until something else forces it.
             return mx.where(ids == forced, logits * 0.0, -mx.inf)
-        if self.banned:
-            mask = mx.zeros(logits.shape[-1], dtype=mx.bool_)
-            for t in self.banned:
-                mask = mask | (ids == t)
-            return mx.where(mask, -mx.inf, logits)
-        return logits
+        return self.without_banned(logits)
+
+    def without_banned(self, logits: mx.array) -> mx.array:
+        """[N, V] logits with the banned tokens at -inf (unchanged when none are)."""
+        if not self.banned:
+            return logits
+        ids = mx.arange(logits.shape[-1])
+        mask = mx.zeros(logits.shape[-1], dtype=mx.bool_)
+        for t in self.banned:
+            mask = mask | (ids == t)
+        return mx.where(mask, -mx.inf, logits)
 
 
 def _ends_with(out: Sequence[int], tail: Sequence[int]) -> bool:

@@ -6,7 +6,7 @@ else shares its batch or on how many steps ran before it was admitted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -71,6 +71,26 @@ class RowSampler:
         if draft is None:
             return int(mx.random.categorical(logp, key=self._next_key()).item()), False
         return accept(logp, draft, key=self._next_key())
+
+    def greedy_picks(self, logits: mx.array) -> Callable[[int], int] | None:
+        """For a greedy row without penalties, the token `pick` takes at each position of a
+        verify pass's [N, V] raw logits, from one evaluation instead of one per position:
+        the argmax, or under an output rule its forced token, else the argmax without its
+        banned ones. Call it for positions 0, 1, ... in order, each after the token before
+        it was accepted (the rule reads the output so far). None: use `pick`."""
+        if not self.greedy or self.processors:
+            return None
+        rule = self.rule
+        targets = greedy_tokens(logits if rule is None else rule.without_banned(logits))
+        values = targets.tolist()
+        if rule is None:
+            return values.__getitem__
+
+        def at(i: int) -> int:
+            forced = rule.next_forced()
+            return values[i] if forced is None else forced
+
+        return at
 
     def _filtered(self, logprobs: mx.array) -> mx.array:
         if 0 < self.top_p < 1.0:

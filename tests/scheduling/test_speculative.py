@@ -291,3 +291,49 @@ def test_prompt_lookup_drafts_a_copy_of_the_prompt_and_keeps_it(demo_root, tmp_p
     assert plain.text == spec.text == copied
     assert accepted > spec.completion_tokens / 2
     assert steps < spec.completion_tokens / 2  # fewer model steps than tokens
+
+
+@pytest.mark.parametrize("model", DEMO_IDS)
+def test_an_output_rule_is_applied_at_each_verified_position_as_plain_decode_applies_it(
+    engine, model, monkeypatch
+):
+    """Under an output rule (banned tokens, a forced opening, end of sequence after a call's
+    end) a greedy verify pass reads all its positions from one evaluation; each position
+    still takes the token plain decode takes there, the rule consulted in order."""
+    import collections
+
+    import engine_bridge.engine as engine_module
+    from engine_bridge.scheduling.output_rules import OutputRule
+
+    spec = engine.scheduler.settings.speculation
+    rule: dict = {}
+    # A fresh rule per request (a rule keeps its own state), built as `rule` says now.
+    monkeypatch.setattr(engine_module, "output_rule",
+                        lambda *a, **kw: OutputRule(**rule) if rule else None)  # fmt: skip
+    eos = 4089
+
+    async def scenario():
+        free, _ = await _generate(engine, _request(model, 4, False, use_cache=False))
+        common = [t for t, _ in collections.Counter(free).most_common(3)]
+        rule.update(eos=eos, banned=tuple(common), opening=free[10:13])
+        opened, _ = await _generate(engine, _request(model, 4, False, use_cache=False))
+        # End the output once it writes the pair it wrote at 40..41, as a call's end does.
+        rule["stop_after"] = tuple(opened[40:42])
+        plain, _ = await _generate(engine, _request(model, 4, False, use_cache=False))
+        spec.min_draft = spec.max_draft = K
+        outs = {}
+        for name, make in [("oracle", lambda p: Oracle(plain)),
+                           ("corrupted", lambda p: Corrupted(plain, seed=11)),
+                           ("prompt-lookup", None)]:  # fmt: skip
+            spec.drafter = make
+            outs[name], _ = await _generate(engine, _request(model, 4, use_cache=False))
+        return free, plain, outs, engine.scheduler.stats.spec_accepted
+
+    free, plain, outs, accepted = _run(scenario())
+    assert accepted > 0
+    # The rule bit: it opened the answer, kept the banned tokens out, and ended it.
+    assert plain[:3] == free[10:13] and plain != free
+    assert not set(plain[3:]) & set(rule["banned"])  # the opening is forced whatever it holds
+    assert plain[-1] == eos and tuple(plain[-3:-1]) == rule["stop_after"]
+    for name, out in outs.items():
+        assert out == plain, name

@@ -17,7 +17,6 @@ import mlx.core as mx
 
 from ... import kv
 from ...logctx import request_id
-from ..sampling import greedy_tokens
 
 if TYPE_CHECKING:
     from ..sequence import Seq
@@ -44,16 +43,16 @@ def verify(model: Any, cache: list[Any], seq: Seq, drafts: list[int]) -> Verifie
     else:
         logits, hidden = head.forward(mx.array(inputs)[None], cache)
         logits = logits[0]
-    plain = sampler.greedy and not sampler.processors and sampler.rule is None
-    targets = greedy_tokens(logits).tolist() if plain else None
-    if targets is None:
+    picks = sampler.greedy_picks(logits)  # greedy: every position read at once
+    if picks is None:
         mx.eval(logits)
     committed = accepted = 0
     finished = False
     for i in range(len(inputs)):
         draft = drafts[i] if i < len(drafts) else None
-        if targets is not None:
-            tok, kept = targets[i], targets[i] == draft
+        if picks is not None:
+            tok = picks(i)
+            kept = tok == draft
         else:
             tok, kept = sampler.pick(logits[i : i + 1], seq.history, draft)
         committed += 1
