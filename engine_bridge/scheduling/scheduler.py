@@ -38,6 +38,7 @@ class ModelQueue(Protocol):
     def step(self) -> bool: ...
     def fail_all(self, error: BaseException) -> int: ...
 
+
 log = logging.getLogger("engine_bridge.scheduling.scheduler")
 
 

@@ -57,8 +57,10 @@ class SpeculativeSettings:
         if self.drafter is not None:
             return self.drafter(prompt)
         auto = self.mode == Mode.AUTO
-        if (self.mode == Mode.MTP or (auto and auto_mtp())) and model is not None and (
-            model.mtp is not None
+        if (
+            (self.mode == Mode.MTP or (auto and auto_mtp()))
+            and model is not None
+            and (model.mtp is not None)
         ):
             drafter = model.mtp.drafter(model.model, self.mtp_depth)
             if drafter is not None:
