@@ -105,6 +105,18 @@ def test_prompt_lookup_never_matches_the_suffix_with_itself():
     assert d.propose([5, 6, 7], 2) == [5, 6]  # the prompt's 5, 6, 7 is an earlier place
 
 
+def test_prompt_lookup_follows_the_place_it_copies_from_not_the_latest_match():
+    # 13, 14, 15 occurs twice: in the span being copied (then 16, 17) and later (30, 31).
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 99, 20, 13, 14, 15, 30, 31, 98]
+    d = PromptLookup(prompt, min_ngram=3, max_ngram=3)
+    assert d.propose([10, 11, 12], 3) == [13, 14, 15]
+    copied = [10, 11, 12, 13, 14, 15]
+    assert PromptLookup(prompt, 3, 3).propose(copied, 2) == [30, 31]  # the latest match
+    assert d.propose(copied, 2) == [16, 17]  # the place the copy came from, followed on
+    # The output leaves that place (50 where 16 was): back to matching, here 20, 13, 14.
+    assert d.propose([*copied, 50, 20, 13, 14], 2) == [15, 30]
+
+
 def test_a_short_match_is_not_a_draft():
     d = PromptLookup([1, 2, 8, 9, 1, 2], min_ngram=3, max_ngram=5)
     assert d.propose([], 4) == []  # "1, 2" repeats, but two tokens are coincidence
