@@ -92,11 +92,15 @@ class Decoding:
         stats.spec_replays += out.replayed
         if out.finished:
             self._retire([0])
+        elif out.replay:
+            self._launch(out.replay)
 
-    def _launch(self) -> None:
+    def _launch(self, replay: list[int] | None = None) -> None:
+        """Start the next step: each row feeds its next input (the lone row after `replay`,
+        what a verify pass committed and put back) and samples from the last position."""
         t0 = time.perf_counter()
         try:
-            inputs = mx.array([[s.next_input] for s in self.running])
+            inputs = mx.array([[*(replay or ()), s.next_input] for s in self.running])
             # A lone sequence drafting with an MTP head feeds it this step's hidden state
             # and token; in a batched step its head falls out of step and starts over.
             lone = self.running[0] if len(self.running) == 1 else None

@@ -28,11 +28,15 @@ class Verified:
     accepted: int  # drafts kept
     finished: bool  # the sequence ended inside the pass (eos, stop string, max_tokens)
     replayed: bool  # a state was put back and the committed tokens fed again
+    # Those tokens when they are yet to be fed (the next step feeds them before its own).
+    replay: list[int]
 
 
 def verify(model: Any, cache: list[Any], seq: Seq, drafts: list[int]) -> Verified:
     """Run the pass for the lone running `seq` over its `cache`, handing each committed
-    token to `seq.accept`; the caches (and its MTP head, if any) end at the last one."""
+    token to `seq.accept`; the caches (and its MTP head, if any) end at the last one, or,
+    where a state was put back and the sequence goes on without a head, before the
+    `replay` tokens the next step must feed first."""
     inputs = [seq.next_input, *drafts]
     at = seq.fed  # where inputs[0] goes
     sampler = seq.sampler
@@ -64,11 +68,16 @@ def verify(model: Any, cache: list[Any], seq: Seq, drafts: list[int]) -> Verifie
         if not kept:
             break
     replayed = rewind.to(fed=len(inputs), keep=committed)
-    if replayed:
+    replay: list[int] = []
+    if replayed and (finished or head is not None):
         model(mx.array(inputs[:committed])[None], cache=cache)
+    elif replayed:
+        # The state went back to before the pass: the next decode step feeds the committed
+        # inputs ahead of its own, one pass instead of a replay and a step.
+        replay = inputs[:committed]
     if head is not None and not finished:
         # The head learns the accepted positions only: each one's hidden state from this
         # pass (causal: what followed it does not change it) and its token.
         head.feed(hidden[:, :committed], seq.out[-committed:], at=at)
     mx.eval([c.state for c in cache], head.state if head is not None else [])
-    return Verified(committed, accepted, finished, replayed)
+    return Verified(committed, accepted, finished, replayed, replay)
