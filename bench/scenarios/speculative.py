@@ -7,7 +7,8 @@ it with one number changed. Each demo model decodes that span with speculation o
 prompt lookup (the real drafter), with an oracle that proposes exactly the forced tokens
 (the upper bound), and with a drafter that is always wrong (the overhead), interleaved
 (off, lookup, oracle, wrong, off, ...) so drift on a shared machine falls on all alike;
-the medians are reported.
+tok/s are medians, and each ratio is the median over the repeats of that repeat's run
+against the same repeat's run with speculation off.
 
 Decode speed is (completion tokens - 1) / (generation time - TTFT), from the engine's own
 GenerationResult. The engine runs in-process in a process of its own (`python -m
@@ -385,7 +386,12 @@ def summarize(answer: dict[str, Any], measured: dict[str, Any], label: str = "")
             f"{c}_spec_rounds": sums["spec_rounds"],
             f"{c}_spec_replays": sums["spec_replays"],
         }
-    vs = {c: ratio(tok_s[c], tok_s["off"]) for c in CONFIGS}
+    # Each repeat's run against the "off" run of the same repeat, a few seconds apart: this
+    # machine's speed drifts by a third between repeats, and a ratio of the medians would
+    # carry that drift into the ratio.
+    off = {r["repeat"]: r["decode_tok_s"] for r in timed if r["config"] == "off"}
+    vs = {c: median(ratio(r["decode_tok_s"], off.get(r["repeat"])) for r in timed
+                    if r["config"] == c) for c in CONFIGS}  # fmt: skip
     result.metrics |= {f"{c}_over_off": vs[c] for c in CONFIGS if c != "off"}
     tokens = runs[0]["completion_tokens"]
     result.rows.append(
@@ -393,7 +399,8 @@ def summarize(answer: dict[str, Any], measured: dict[str, Any], label: str = "")
             f"decode tok/s, {tokens}-token edit copied from the prompt, speculation off",
             {"ours": tok_s["off"]},
             {f"{c} / off": vs[c] for c in CONFIGS if c != "off"},
-            note=f"median of {sizes['repeats']} interleaved runs per configuration; a "
+            note=f"median of {sizes['repeats']} interleaved runs per configuration, ratios the "
+            "median of each repeat's run over that repeat's off run; a "
             f"{sizes['lines']}-line file in a {runs[0]['prompt_tokens']}-token prompt; decode ="
             " (completion tokens - 1) / (generation - TTFT)",
         )
