@@ -74,9 +74,9 @@ def auto_mtp() -> bool:
     """Whether "auto" drafts with a model's MTP head: on a GPU (Metal), where a pass of two
     tokens costs about what one does. On the CPU a pass costs about linearly in its tokens
     and priming the head along the prompt doubled the demo's prefill, so "auto" takes
-    prompt lookup there, which measured 1.2-1.7x plain decode on a copied edit on mlx[cpu]'s
-    bundled reference BLAS, 1.6-2.2x with OpenBLAS preloaded (ops/blas.py), and within about
-    5% of it when every draft is wrong (bench `speculative`)."""
+    prompt lookup there, which measured 1.3-2.0x plain decode on a copied edit on mlx[cpu]'s
+    bundled reference BLAS, 2.2-3.2x with OpenBLAS preloaded (ops/blas.py), and within the
+    machine's noise of it when every draft is wrong (bench `speculative`)."""
     return mx.default_device().type == mx.DeviceType.gpu
 
 
