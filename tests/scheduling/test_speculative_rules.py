@@ -192,7 +192,8 @@ def _assert_same(a, b) -> None:
 @pytest.mark.parametrize("prompt_len", [40, 126, 300], ids=["short", "wraps-in-pass", "wrapped"])
 def test_every_accept_length_goes_back_to_the_plain_state(loaded, model_id, prompt_len):
     """Verify [x, d1..dK] with the first `a` drafts right, keep a+1: the state and what the
-    model says next match plain decode of the same tokens. demo-swa's window is 128: the
+    model says next match plain decode of the same tokens, whether what was put back is fed
+    again alone or ahead of the next step's token. demo-swa's window is 128: the
     second case wraps inside the pass, the third has wrapped before it."""
     lm = loaded[model_id]
     model = lm.model
@@ -207,7 +208,7 @@ def test_every_accept_length_goes_back_to_the_plain_state(loaded, model_id, prom
         truth.append(x)
         states.append(_state(ref))
         nexts.append(np.array(logits[-1]))
-    for a in range(K + 1):
+    for a, ride in [(a, ride) for a in range(K + 1) for ride in (False, True)]:
         cache = make_prompt_cache(model)
         _feed(model, cache, prompt[:-1])
         drafts = truth[:a] + [(t + 1) % 4000 for t in truth[a:K]]
@@ -215,11 +216,20 @@ def test_every_accept_length_goes_back_to_the_plain_state(loaded, model_id, prom
         rewind = kv.Rewind(cache)
         logits = _feed(model, cache, inputs)
         assert int(mx.argmax(logits[a]).item()) == truth[a]
-        if rewind.to(fed=len(inputs), keep=a + 1):
-            _feed(model, cache, inputs[: a + 1])
-        _assert_same(_state(cache), states[a])
-        # What comes next from the rewound state is what plain decode says next.
-        after = _feed(model, cache, [truth[a]])
+        replay = inputs[: a + 1] if rewind.to(fed=len(inputs), keep=a + 1) else []
+        if ride:
+            if a == K:
+                continue
+            # The decode loop's way: the replay rides in the next step's pass, ahead of
+            # the step's own token; state and next logits are plain decode's one step on.
+            after = _feed(model, cache, [*replay, truth[a]])
+            _assert_same(_state(cache), states[a + 1])
+        else:
+            if replay:
+                _feed(model, cache, replay)
+            _assert_same(_state(cache), states[a])
+            # What comes next from the rewound state is what plain decode says next.
+            after = _feed(model, cache, [truth[a]])
         if a < K:
             np.testing.assert_allclose(np.array(after[-1]), nexts[a + 1], atol=1e-3, rtol=1e-3)
 
