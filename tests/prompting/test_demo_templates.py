@@ -370,6 +370,8 @@ def test_families_cover_the_parsers_asked_for():
         "pythonic",
         "function_gemma",
         "longcat",
+        "kimi_k3",
+        "laguna",
         "minicpm5",
     }
     assert [n for n, f in FAMILIES.items() if f.explicit] == [
@@ -379,6 +381,8 @@ def test_families_cover_the_parsers_asked_for():
         "pythonic",
         "function_gemma",
         "longcat",
+        "kimi_k3",
+        "laguna",
         "minicpm5",
     ]
 

@@ -53,6 +53,9 @@ MARKUP = (
     "<start_function_call>",
     "<longcat_tool_call>",
     "<function name=",
+    "<|open|>",
+    "<|close|>",
+    "<|sep|>",
 )
 
 

@@ -239,6 +239,22 @@ def _minicpm5(calls):
     return "".join(one(c) for c in calls)
 
 
+def _kimi_k3(calls):
+    def arg(k, v):
+        # The parser keeps a "string" as written and reads any other type as JSON.
+        kind = "string" if isinstance(v, str) else "integer" if isinstance(v, int) else "object"
+        return f'<|open|>argument key="{k}" type="{kind}"<|sep|>{_text(v)}<|close|>argument<|sep|>'
+
+    body = "".join(
+        f'<|open|>call tool="{c["name"]}" index="{i}"<|sep|>'
+        + "".join(arg(k, v) for k, v in c["arguments"].items())
+        + "<|close|>call<|sep|>"
+        for i, c in enumerate(calls, 1)
+    )
+    # The tools section, then the end of the assistant message (a structural marker).
+    return f"<|open|>tools<|sep|>{body}<|close|>tools<|sep|><|close|>message<|sep|>"
+
+
 def _harmony(calls):
     (call,) = calls
     args = json.dumps(call["arguments"], ensure_ascii=False, separators=(",", ":"))
@@ -414,6 +430,34 @@ FAMILIES: dict[str, Family] = {
                 "<longcat_arg_value>",
                 "</longcat_arg_value>",
             ),
+        ),
+        # Kimi K3's XTML: every marker is spelled with the <|open|>/<|close|>/<|sep|> tokens,
+        # so reasoning and the tools section are several tokens each; the reply's response
+        # section (empty before a call here) and the message end are structural markers.
+        _family(
+            "kimi_k3",
+            _kimi_k3,
+            head=lambda r: (
+                f"<|open|>think<|sep|>{r}<|close|>think<|sep|>"
+                "<|open|>response<|sep|><|close|>response<|sep|>"
+            ),
+            parser="kimi_k3",
+            template=None,
+            think=("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
+            opens_thinking=False,
+            # mlx-lm reads an XTML vocabulary by these four; <think> would win over them.
+            renames={"<think>": "<|open|>", "</think>": "<|close|>"},
+            markup=("<|sep|>", "<|end_of_msg|>"),
+        ),
+        # Poolside Laguna writes GLM 4.7's calls; its checkpoints name the parser.
+        _family(
+            "laguna",
+            _glm47,
+            parser="laguna",
+            template=None,
+            think=_THINK,
+            opens_thinking=False,
+            markup=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
         ),
         _family(
             "minicpm5",
