@@ -52,6 +52,11 @@ class OutputFormat:
     family: str | None = None
     # Strings stripped wherever they appear (mlx-lm's structural markers).
     markers: tuple[str, ...] = ()
+    # A response format's own states and edges (mlx-lm's `response_transitions`, from a
+    # chat_template_type module: Muse Spark's message headers), and the state an answer
+    # starts in. Text in a state other than normal, reasoning and tool is dropped.
+    response: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    response_initial: str | None = None
 
     @classmethod
     def of(cls, tokenizer: Any) -> OutputFormat:
@@ -71,6 +76,11 @@ class OutputFormat:
             tool_parser=parser,
             family=family,
             markers=tuple(getattr(tokenizer, "structural_markers", ()) or ()),
+            response=tuple(
+                (state, tuple((marker, dst) for marker, dst in edges))
+                for state, edges in (getattr(tokenizer, "response_transitions", None) or {}).items()
+            ),
+            response_initial=getattr(tokenizer, "response_initial_state", None),
         )
 
     @property
@@ -92,13 +102,18 @@ class OutputFormat:
         if self.think_start and self.think_end:
             transitions["normal"] = [(self.think_start, "reasoning")]
             transitions["reasoning"] = [(self.think_end, "normal")]
-        if tools and self.tool_call_start:
-            transitions.setdefault("normal", []).append((self.tool_call_start, "tool"))
+        # A response format that enters "tool" itself says where calls start (mlx-lm's rule).
+        routed = any(dst == "tool" for _, edges in self.response for _, dst in edges)
+        if (tools or routed) and self.tool_call_start:
+            if not routed:
+                transitions.setdefault("normal", []).append((self.tool_call_start, "tool"))
             if "reasoning" in transitions:
                 transitions["reasoning"].append((self.tool_call_start, "tool"))
             transitions["tool"] = [(self.tool_call_end, "normal")] if self.tool_call_end else []
         for marker in self.markers:
             transitions.setdefault("normal", []).append((marker, "normal"))
+        for state, edges in self.response:
+            transitions.setdefault(state, []).extend(edges)
         return TextStateMachine(transitions or None)
 
     def parser(
@@ -112,6 +127,8 @@ class OutputFormat:
         initial = "normal"
         if self.harmony:
             initial = harmony.initial_state(prompt_text)
+        elif self.response_initial:
+            initial = self.response_initial
         elif self.opens_in_reasoning(prompt_text):
             initial = "reasoning"
         return OutputParser(self, initial, tools=tools, raw=raw, parallel=parallel)
@@ -194,6 +211,8 @@ class OutputParser:
             if self._state == "tool":
                 self._tool_text += text
                 continue
+            if self._state not in ("normal", "reasoning"):
+                continue  # a response format's own state (a message header): not output
             if self._strip:
                 text = text.lstrip(_LAYOUT)
                 if not text:

@@ -2,7 +2,8 @@
 
 The parser is the one the server builds for demo-llama, from its real tokenizer: Hermes
 JSON calls (mlx-lm's json_tools, inferred from the chat template) and `<think>` markers.
-The formats of the other families run through the whole server in test_tool_formats.py.
+The formats of the other families run through the whole server in test_tool_formats.py;
+Muse Spark's, whose model needs Metal, runs here through its real tokenizer (below).
 """
 
 from __future__ import annotations
@@ -186,3 +187,98 @@ def test_openai_and_anthropic_sdk_models_accept_tool_call_responses(parse):
     )
     assert [b.type for b in msg.content] == ["thinking", "text", "tool_use", "tool_use"]
     assert msg.content[2].input == {"city": "Paris"}
+
+
+# -- a response format with its own states: Muse Spark ---------------------------------------
+# Its mlx-lm model runs Metal kernels only, so no Muse model runs here and the whole server
+# path cannot; the tokenizer is real (mlx-lm applies muse_spark's TOKENIZER_DEFAULTS: its
+# response format and parser) and its own streaming detokenizer feeds the parser.
+
+MUSE_REASONING = "I should list the files."
+MUSE_CALL = (
+    f" to=self<|message|>{MUSE_REASONING}<|eom|>"
+    "<|start|>assistant to=Bash<|message|><atem:function_calls>\n"
+    '<atem:invoke name="Bash">\n<atem:parameter name="command">ls -la</atem:parameter>\n'
+    '<atem:parameter name="timeout">30</atem:parameter>\n</atem:invoke>\n'
+    '<atem:invoke name="Read">\n<atem:parameter name="file_path">README.md</atem:parameter>\n'
+    "</atem:invoke>\n</atem:function_calls>"
+)
+MUSE_ANSWER = (
+    f" to=self<|message|>{MUSE_REASONING}<|eom|>"
+    "<|start|>assistant to=user<|message|>Two files: a.txt and b.txt.<|eot|>"
+)
+MUSE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {"type": "object", "properties": {k: {"type": t} for k, t in props}},
+        },
+    }
+    for name, props in (
+        ("Bash", (("command", "string"), ("timeout", "integer"))),
+        ("Read", (("file_path", "string"),)),
+    )
+]
+
+
+@pytest.fixture(scope="module")
+def muse(tmp_path_factory):
+    from mlx_lm.utils import load_tokenizer
+    from tokenizers import AddedToken, Tokenizer
+
+    from engine_bridge.models.demo import tokenizer
+
+    out = tmp_path_factory.mktemp("muse")
+    data = json.loads(tokenizer.train_tokenizer().to_str())
+    for added in data["added_tokens"]:  # no <think> in Muse's vocabulary
+        added["content"] = {"<think>": "<|start|>", "</think>": "<|message|>"}.get(
+            added["content"], added["content"]
+        )
+    tok = Tokenizer.from_str(json.dumps(data))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|eom|>", "<|eot|>")])
+    tokenizer.write_tokenizer_files(tok, out, eos_token="<|eot|>")
+    # The model type is what makes mlx-lm apply muse_spark's defaults.
+    (out / "config.json").write_text(json.dumps({"model_type": "muse_spark"}))
+    return load_tokenizer(out)
+
+
+def _stream(tok, fmt: OutputFormat, text: str, tools) -> list:
+    """The parts of `text` as the server reads them: token by token through the
+    tokenizer's streaming detokenizer."""
+    p = fmt.parser(prompt_text="<|start|>assistant", tools=tools)
+    detok = tok.detokenizer
+    detok.reset()
+    parts = []
+    for token in tok.encode(text, add_special_tokens=False):
+        detok.add_token(token)
+        parts += p.feed(detok.last_segment)
+    detok.finalize()
+    parts += p.feed(detok.last_segment)
+    return merge(parts + p.finish())
+
+
+def test_muse_spark_reads_its_response_format_from_mlx_lm(muse):
+    fmt = OutputFormat.of(muse)
+    assert fmt.family == "muse_spark" and fmt.response_initial == "header"
+    assert fmt.tool_call_start == "<atem:function_calls>"
+    assert dict(fmt.response)["reasoning"] == (("<|eom|>", "header"),)
+
+
+@pytest.mark.parametrize("tools", [MUSE_TOOLS, None], ids=["tools", "no-tools"])
+def test_muse_spark_headers_are_dropped_and_reasoning_answer_and_calls_split(muse, tools):
+    fmt = OutputFormat.of(muse)
+    answer = _stream(muse, fmt, MUSE_ANSWER, tools)
+    assert [(p.kind, p.text.strip()) for p in answer] == [
+        ("reasoning", MUSE_REASONING),
+        ("text", "Two files: a.txt and b.txt."),
+    ]
+    if tools is None:
+        return
+    call = _stream(muse, fmt, MUSE_CALL, tools)
+    assert [p.kind for p in call] == ["reasoning", "tool_call", "tool_call"]
+    assert call[0].text.strip() == MUSE_REASONING
+    assert [(p.call.name, p.call.arguments) for p in call[1:]] == [
+        ("Bash", {"command": "ls -la", "timeout": 30}),
+        ("Read", {"file_path": "README.md"}),
+    ]
