@@ -4,7 +4,9 @@ The server runs with the test-only forced-output hook: the model is made to emit
 token, the family's real markup (reasoning first, then one call, two calls, or a call cut
 off by max_tokens). The text goes through the real sampler, detokenizer, parser and SSE
 writer, and the official SDKs read it. Every family mlx-lm has a parser for is covered,
-plus Hermes (demo-llama's template), Qwen3.6's XML form (demo-hybrid's) and gpt-oss harmony.
+plus Hermes (demo-llama's template), Qwen3.6's XML form (demo-hybrid's) and gpt-oss harmony,
+except Muse Spark: its mlx-lm model runs on Metal only, so test_output_parser.py reads its
+markup through its real tokenizer instead.
 """
 
 from __future__ import annotations
