@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
+import uuid
 from typing import Any
 
 import orjson
@@ -77,6 +79,30 @@ class SSEWriter:
         except ConnectionError as e:  # the client is gone; nobody is left to tell
             self.ended = True
             log.info("stream ended by the client before its error was sent: %s", e)
+
+    async def fail_response(self, err: ApiError, response_id: str | None, sequence: int) -> None:
+        """End a started Responses stream with `response.failed`, the event its clients
+        (Codex CLI, the openai SDK) wait for; there is no [DONE] in that dialect. For a
+        relayed stream: the response's id and numbering carry on from the upstream's."""
+        if self.ended:
+            return
+        response = {
+            "id": response_id or f"resp_{uuid.uuid4().hex[:24]}",
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "failed",
+            "error": {"code": err.code or "server_error", "message": err.message},
+            "incomplete_details": None,
+            "output": [],
+            "usage": None,
+        }
+        payload = {"type": "response.failed", "sequence_number": sequence, "response": response}
+        try:
+            await self.event("response.failed", payload)
+            await self.end()
+        except ConnectionError as e:
+            self.ended = True
+            log.info("stream ended by the client before response.failed was sent: %s", e)
 
 
 STREAM = web.RequestKey("stream", SSEWriter)

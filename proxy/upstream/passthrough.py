@@ -291,7 +291,11 @@ async def _relay_body(
     if not events.at_boundary and not await _send(request, response, b"\n\n"):
         return False
     err = ApiError(502, message, code="upstream_stream_dropped")
-    await SSEWriter(request, response=response).fail(err, dialect_for(request.path))
+    sse = SSEWriter(request, response=response)
+    if request.path == "/v1/responses":
+        await sse.fail_response(err, events.response_id, events.next_sequence)
+    else:
+        await sse.fail(err, dialect_for(request.path))
     return False
 
 
@@ -309,7 +313,9 @@ def _is_event_stream(upstream: aiohttp.ClientResponse) -> bool:
 
 
 # Routes whose streams end with a final event of their dialect's own (see EventStream).
-_FINAL_EVENT_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
+_FINAL_EVENT_ROUTES = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"}
+)
 
 
 def _must_finish(request: web.Request, upstream: aiohttp.ClientResponse) -> bool:

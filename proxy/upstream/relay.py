@@ -14,19 +14,36 @@ from dataclasses import dataclass, field
 # One event larger than this is passed on unfinished rather than held in memory.
 HELD_MAX = 1 << 20
 
-# The dialects' last events: OpenAI's "data: [DONE]", Anthropic's message_stop, or an
-# error event (after which nothing comes). Matched on whole lines, so never inside JSON.
-_FINAL_EVENT = re.compile(rb"^(?:data: ?\[DONE\]|event: ?(?:message_stop|error))\r?$", re.M)
+# The dialects' last events: OpenAI's "data: [DONE]", Anthropic's message_stop, the
+# Responses API's response.completed / incomplete / failed (no [DONE] follows them), or an
+# error event (after which nothing comes). Event and [DONE] lines are matched whole, so
+# never inside JSON; a Responses server that sends data lines only is known by the type
+# in them, whose quotes a string inside the JSON would have escaped.
+_FINAL_EVENT = re.compile(
+    rb"^(?:data: ?\[DONE\]"
+    rb"|event: ?(?:message_stop|error|response\.(?:completed|incomplete|failed))"
+    rb'|data: ?\{.*"type": ?"response\.(?:completed|incomplete|failed)".*)\r?$',
+    re.M,
+)
+
+
+# A Responses stream's numbering and its response's id, so a failure the proxy appends
+# carries on from them (top-level keys: the first "id" of response.created is the response's).
+_SEQUENCE = re.compile(rb'"sequence_number": ?(\d+)')
+_RESPONSE_ID = re.compile(rb'"id": ?"(resp_[A-Za-z0-9_-]{1,200})"')
 
 
 @dataclass(slots=True)
 class EventStream:
     """``held`` is the unfinished event; ``at_boundary`` says what was passed on ended on a
-    blank line; ``finished`` says a dialect's final event went by."""
+    blank line; ``finished`` says a dialect's final event went by. ``next_sequence`` and
+    ``response_id`` are a Responses stream's, from what was passed on."""
 
     held: bytearray = field(default_factory=bytearray)
     at_boundary: bool = True
     finished: bool = False
+    next_sequence: int = 0
+    response_id: str | None = None
 
     def feed(self, chunk: bytes) -> bytes:
         """The bytes up to the last complete event so far; the rest waits for more."""
@@ -39,6 +56,11 @@ class EventStream:
         out = bytes(self.held[:end])
         del self.held[:end]
         self.finished = self.finished or _FINAL_EVENT.search(out) is not None
+        numbers = _SEQUENCE.findall(out)
+        if numbers:
+            self.next_sequence = max(self.next_sequence, max(int(n) for n in numbers) + 1)
+        if self.response_id is None and (found := _RESPONSE_ID.search(out)):
+            self.response_id = found[1].decode()
         return out
 
 

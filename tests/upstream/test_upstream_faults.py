@@ -442,6 +442,83 @@ def test_anthropic_stream_dropped_ends_with_error_event_the_sdk_raises(rig):
     nothing_lost(rig)
 
 
+def _responses_events(final: bool) -> bytes:
+    """A Responses stream as LM Studio writes one: created, in progress, a message item,
+    then response.completed when `final`, else half of a text delta."""
+    response = {"id": "resp_upstream1", "object": "response", "status": "in_progress"}
+    item = {"id": "msg_1", "type": "message", "role": "assistant", "content": []}
+    events = [
+        {"type": "response.created", "response": response},
+        {"type": "response.in_progress", "response": response},
+        {"type": "response.output_item.added", "output_index": 0, "item": item},
+    ]
+    if final:
+        events.append(
+            {"type": "response.completed", "response": {**response, "status": "completed"}}
+        )
+    body = b"".join(
+        f"event: {e['type']}\ndata: {json.dumps({**e, 'sequence_number': i})}\n\n".encode()
+        for i, e in enumerate(events)
+    )
+    return body if final else body + b'event: response.output_text.delta\ndata: {"type": "re'
+
+
+def _responses_stream(rig: Rig) -> tuple[list, Exception | None]:
+    """The events the openai SDK reads from the proxy, and what it raised, if anything."""
+    sdk = openai.OpenAI(base_url=rig.proxy.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    seen = []
+    try:
+        for event in sdk.responses.create(model=rig.upstream_model, input="hi", stream=True):
+            seen.append(event)
+    except openai.APIError as e:
+        return seen, e
+    return seen, None
+
+
+CLOSE_DELIMITED = b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+
+
+@pytest.mark.parametrize("framing", ["chunked", "close-delimited"])
+def test_responses_stream_dropped_ends_with_response_failed_naming_the_cause(rig, framing):
+    sent = _responses_events(final=False)
+    # LM Studio's chunked body raises in aiohttp when cut; an HTTP/1.0 body that ends early
+    # looks whole, and only the missing response.completed tells them apart.
+    cut = {
+        "chunked": (_chunked_without_its_last_chunk(sent), "the connection closed before the body"),
+        "close-delimited": (CLOSE_DELIMITED + sent, "the connection closed before the stream's"),
+    }
+    reply, cause = cut[framing]
+    rig.front.fault = Fault("reply", reply=reply)
+    mark = len(rig.proxy.log())
+    seen, raised = _responses_stream(rig)
+    assert raised is None
+    assert [e.type for e in seen] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.failed",
+    ]
+    failed = seen[-1]
+    assert failed.sequence_number == 3 and failed.response.id == "resp_upstream1"
+    assert failed.response.status == "failed"
+    assert failed.response.error.code == "upstream_stream_dropped"
+    message = failed.response.error.message
+    assert message.startswith(f"{where(rig)} dropped the stream after {len(sent)} bytes: {cause}")
+    (warning,) = warnings_after(rig, mark)
+    assert message in warning
+    nothing_lost(rig)
+
+
+def test_a_whole_close_delimited_responses_stream_passes_untouched(rig):
+    rig.front.fault = Fault("reply", reply=CLOSE_DELIMITED + _responses_events(final=True))
+    mark = len(rig.proxy.log())
+    seen, raised = _responses_stream(rig)
+    assert raised is None and seen[-1].type == "response.completed", seen
+    assert [e.sequence_number for e in seen] == [0, 1, 2, 3]
+    assert warnings_after(rig, mark) == []
+    nothing_lost(rig)
+
+
 def test_plain_body_cut_short_truncates_the_client_response(rig):
     # A JSON body has no in-band error: only a cut connection keeps it from looking whole.
     rig.front.fault = Fault("cut", events=0, extra=40)
@@ -477,3 +554,20 @@ def test_event_stream_passes_an_oversized_event_on_unfinished():
     assert not events.at_boundary  # so an error event must start with a blank line
     assert events.feed(b"x\n\ndata: 1") == b"x\n\n"
     assert events.at_boundary and events.held == b"data: 1"
+
+
+def test_event_stream_knows_the_responses_final_events_and_numbering():
+    events = EventStream()
+    created = b'event: response.created\ndata: {"type": "response.created", "sequence_number": 0, '
+    events.feed(created + b'"response": {"id": "resp_a1", "output": [{"id": "msg_1"}]}}\n\n')
+    assert (events.finished, events.response_id, events.next_sequence) == (False, "resp_a1", 1)
+    # A type inside a string is escaped, so it is never taken for the event's own.
+    events.feed(b'data: {"type": "x", "delta": "\\"type\\": \\"response.completed\\""}\n\n')
+    assert not events.finished
+    data_only = EventStream()  # a server that sends no event lines
+    data_only.feed(b'data: {"sequence_number": 7, "type": "response.incomplete"}\n\n')
+    assert data_only.finished and data_only.next_sequence == 8
+    for last in (b"response.completed", b"response.failed", b"error"):
+        named = EventStream()
+        named.feed(b"event: " + last + b"\ndata: {}\n\n")
+        assert named.finished, last
