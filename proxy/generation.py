@@ -35,6 +35,9 @@ class Generation:
 
     stream: GenerationStream
     parser: OutputParser
+    # Output tokens of the reasoning block, its markers included: each token read while
+    # the parser was inside it, before or after the token's text.
+    reasoning_tokens: int = 0
 
     @property
     def info(self) -> PromptInfo:
@@ -55,7 +58,11 @@ class Generation:
     async def parts(self) -> AsyncIterator[Part]:
         async for event in self.stream:
             if isinstance(event, TokenEvent):
-                for part in self.parser.feed(event.text):
+                before = self.parser.in_reasoning
+                parts = self.parser.feed(event.text)
+                if before or self.parser.in_reasoning:
+                    self.reasoning_tokens += 1
+                for part in parts:
                     yield part
         result = self.stream.result
         for part in self.parser.finish(result.finish_reason if result else "stop"):

@@ -52,6 +52,10 @@ class Channels:
     def in_call(self) -> bool:
         return self._kind == "call"
 
+    @property
+    def in_reasoning(self) -> bool:
+        return self._kind == "reasoning"
+
     def feed(self, state: str, text: str) -> Literal["text", "reasoning"] | None:
         """The kind of part `text` (read in `state`) is, or None when it is not shown."""
         if state == "normal":

@@ -171,6 +171,13 @@ class OutputParser:
     def calls(self) -> int:
         return self._calls
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Inside the reasoning block (harmony: an analysis message's body)."""
+        if self._harmony is not None:
+            return self._harmony.in_reasoning
+        return self._state == "reasoning"
+
     def feed(self, chunk: str) -> list[Part]:
         if self._raw:
             return [Part("text", chunk)] if chunk else []

@@ -295,6 +295,7 @@ def usage(gen: Generation) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": gen.info.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": gen.reasoning_tokens},
     }
 
 

@@ -241,7 +241,7 @@ class Answer:
             "incomplete" if cut else "completed",
             out.items,
             incomplete_details={"reason": "max_output_tokens"} if cut else None,
-            usage=usage(gen, out.items),
+            usage=usage(gen),
         )
 
 

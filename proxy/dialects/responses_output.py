@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..generation import Generation
@@ -146,7 +146,7 @@ def _summary(text: str) -> dict[str, Any]:
     return {"type": "summary_text", "text": text}
 
 
-def usage(gen: Generation, items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def usage(gen: Generation) -> dict[str, Any]:
     r = gen.result
     prompt = r.prompt_tokens if r else gen.info.prompt_tokens
     output = r.completion_tokens if r else 0
@@ -154,21 +154,6 @@ def usage(gen: Generation, items: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": gen.info.cached_tokens},
         "output_tokens": output,
-        "output_tokens_details": {"reasoning_tokens": _reasoning_tokens(output, items)},
+        "output_tokens_details": {"reasoning_tokens": gen.reasoning_tokens},
         "total_tokens": prompt + output,
     }
-
-
-def _reasoning_tokens(output: int, items: Sequence[dict[str, Any]]) -> int:
-    """The output tokens spent reasoning, estimated by the reasoning's share of the output
-    characters (parts carry text, not token counts)."""
-    chars = {"reasoning": 0, "other": 0}
-    for item in items:
-        if item["type"] == "reasoning":
-            chars["reasoning"] += sum(len(s["text"]) for s in item["summary"])
-        elif item["type"] == "message":
-            chars["other"] += sum(len(c["text"]) for c in item["content"])
-        else:
-            chars["other"] += len(item["name"]) + len(item["arguments"])
-    total = chars["reasoning"] + chars["other"]
-    return round(output * chars["reasoning"] / total) if total else 0

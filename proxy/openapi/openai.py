@@ -85,8 +85,15 @@ def schemas() -> dict[str, Schema]:
             "completion_tokens": COUNT,
             "total_tokens": COUNT,
             "prompt_tokens_details": obj({"cached_tokens": COUNT}, ["cached_tokens"]),
+            "completion_tokens_details": obj({"reasoning_tokens": COUNT}, ["reasoning_tokens"]),
         },
-        ["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"],
+        [
+            "prompt_tokens",
+            "completion_tokens",
+            "total_tokens",
+            "prompt_tokens_details",
+            "completion_tokens_details",
+        ],
     )
     finish = {"enum": ["stop", "length", "tool_calls"]}
     return {

@@ -100,7 +100,7 @@ def fam_server(demo_root, tmp_path_factory):
         args += ["--model", path]
     server = start_server(cache_dir, *args, env={"MLX_PROMPT_CACHE_FORCE_OUTPUT": str(forced)})
     ids = _model_ids(server.url)
-    yield server, {name: ids[Path(p).name] for name, p in models.items()}, cut_tokens
+    yield server, {name: ids[Path(p).name] for name, p in models.items()}, cut_tokens, models
     server.stop()
 
 
@@ -246,7 +246,7 @@ def _no_markup(answer: Answer) -> None:
 def test_a_familys_calls_come_back_structured_with_typed_arguments(
     fam_server, family, dialect, stream
 ):
-    server, ids, cut_tokens = fam_server
+    server, ids, cut_tokens, _ = fam_server
     fam = families.FAMILIES[family]
     ask = ASK[dialect]
     model = ids[family]
@@ -277,7 +277,7 @@ def test_the_cache_keeps_hitting_across_a_tool_turn(fam_server, family):
     """Turn 2 (the call and its result appended) restores at least all of turn 1's prompt."""
     import openai
 
-    server, ids, _ = fam_server
+    server, ids, _, _ = fam_server
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="t", max_retries=0)
     messages = [{"role": "user", "content": f"[case={family}-one] list the files, turn test"}]
     kw = dict(model=ids[family], tools=TOOLS_OPENAI, max_tokens=200, temperature=0)
@@ -299,3 +299,40 @@ def test_the_cache_keeps_hitting_across_a_tool_turn(fam_server, family):
     hit = int(raw.headers["x-prompt-cache-hit-tokens"])
     assert second.usage.prompt_tokens_details.cached_tokens == hit
     assert hit >= first.usage.prompt_tokens, (hit, first.usage.prompt_tokens)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_usage_counts_the_reasoning_blocks_tokens(fam_server, family):
+    """reasoning_tokens: the tokens of the reasoning and its markers, no fewer than the
+    reasoning's own and no more than everything written before the call."""
+    import openai
+    from mlx_lm.tokenizer_utils import load
+
+    server, ids, _, paths = fam_server
+    fam = families.FAMILIES[family]
+    tok = load(Path(paths[family]))
+    text = fam.one_call.text
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="t", max_retries=0)
+    messages = [{"role": "user", "content": f"[case={family}-one] list the files"}]
+    for route in ("chat", "responses"):
+        if route == "chat":
+            r = client.chat.completions.create(
+                model=ids[family], messages=messages, tools=TOOLS_OPENAI, max_tokens=300
+            )
+            counted, total = (
+                r.usage.completion_tokens_details.reasoning_tokens,
+                r.usage.completion_tokens,
+            )
+        else:
+            r = client.responses.create(
+                model=ids[family],
+                input=messages[0]["content"],
+                tools=[{"type": "function", **t["function"]} for t in TOOLS_OPENAI],
+                max_output_tokens=300,
+            )
+            counted, total = r.usage.output_tokens_details.reasoning_tokens, r.usage.output_tokens
+        own = len(tok.encode(fam.one_call.reasoning, add_special_tokens=False))
+        before_call = len(
+            tok.encode(text[: text.index(call_marker(fam, tok))], add_special_tokens=False)
+        )
+        assert own <= counted <= before_call < total, (route, own, counted, before_call, total)
