@@ -203,7 +203,10 @@ def test_down_at_start_is_a_miss_with_one_warning_until_it_comes_up(tmp_path, ca
     store.put(SCOPE, BLOCK, key(0), tensors(0), {}, tokens=4)
     assert store.flush(10)
     s = store.stats()
-    assert s.errors["down"] >= 1 and s.unavailable_skips >= 1 and s.writes == 0
+    # Failed once in a full-suite CI run (errors["down"] was 0): the stats and the store's
+    # warnings say what it saw instead, should it fail again.
+    seen = (s, warnings_of(caplog, store))
+    assert s.errors["down"] >= 1 and s.unavailable_skips >= 1 and s.writes == 0, seen
     assert len([m for m in warnings_of(caplog, store) if "unreachable" in m]) == 1
     holder.close()
     server = RedisServer(tmp_path, port=port).start()

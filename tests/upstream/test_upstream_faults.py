@@ -10,8 +10,6 @@ before it, and /health is 200.
 from __future__ import annotations
 
 import json
-import socket
-import socketserver
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,113 +19,11 @@ import httpx
 import openai
 import pytest
 
-from proxy.upstream.relay import HELD_MAX, EventStream
 from tests.conftest import Server, fresh_cache_dir, start_server
+from tests.upstream.faulty_front import Fault, FaultyFront, data_before_cut, event_end
 from tests.upstream.test_upstream_routing import _start_mlx_server
 
 TIMEOUT_S = 2  # [upstream] timeout_s: short so a hang costs the test two seconds
-HELD_S = 30  # how long a hanging or stalled front holds a connection at most
-
-
-@dataclass(frozen=True, slots=True)
-class Fault:
-    """What the front does with the next POSTs.
-
-    ``reply``: write these bytes and hang up (b"" hangs up without a word). ``hang``: read
-    the request, never answer. ``cut``/``stall``: relay the real answer's head and body up
-    to ``events`` whole SSE events plus ``extra`` bytes, then hang up / go silent.
-    """
-
-    kind: str
-    reply: bytes = b""
-    events: int = 0
-    extra: int = 0
-
-
-class FaultyFront(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, target: str):
-        super().__init__(("127.0.0.1", 0), _FrontHandler)
-        host, port = target.removeprefix("http://").split(":")
-        self.target = (host, int(port))
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        self.fault: Fault | None = None
-        self.release = threading.Event()
-        self.full_body = b""  # the real upstream's whole body, for the last cut or stall
-        self.forwarded = b""  # the part of it the proxy was given
-
-    def reset(self) -> None:
-        self.fault = None
-        self.release.set()  # lets held connections go
-        self.release = threading.Event()
-
-
-class _FrontHandler(socketserver.StreamRequestHandler):
-    server: FaultyFront
-
-    def handle(self) -> None:
-        request = self._read_request()
-        fault = self.server.fault if request.startswith(b"POST ") else None
-        release = self.server.release
-        if fault is None:
-            self._relay(request)
-        elif fault.kind == "reply":
-            self.wfile.write(fault.reply)
-        elif fault.kind == "hang":
-            release.wait(HELD_S)
-        else:
-            head, body = self._answer(request)
-            cut = _event_end(body, fault.events) + fault.extra
-            self.server.full_body, self.server.forwarded = body, body[:cut]
-            self.wfile.write(head + body[:cut])
-            if fault.kind == "stall":
-                release.wait(HELD_S)
-        # Returning closes the connection: a FIN, as from an upstream process that exits.
-
-    def _read_request(self) -> bytes:
-        head = b""
-        while not head.endswith(b"\r\n\r\n"):
-            line = self.rfile.readline()
-            if not line:
-                return head
-            head += line
-        length = 0
-        for line in head.split(b"\r\n"):
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        return head + self.rfile.read(length)
-
-    def _relay(self, request: bytes) -> None:
-        with socket.create_connection(self.server.target) as up:
-            up.sendall(request)
-            while chunk := up.recv(65536):
-                self.wfile.write(chunk)
-
-    def _answer(self, request: bytes) -> tuple[bytes, bytes]:
-        """The real upstream's whole answer (mlx_lm.server closes after each one)."""
-        data = b""
-        with socket.create_connection(self.server.target) as up:
-            up.sendall(request)
-            while chunk := up.recv(65536):
-                data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        return head + b"\r\n\r\n", body
-
-
-def _event_end(body: bytes, events: int) -> int:
-    end = 0
-    for _ in range(events):
-        end = body.index(b"\n\n", end) + 2
-    return end
-
-
-def data_before_cut(front: FaultyFront) -> list[dict]:
-    """The JSON of the whole data events the front let through (not its keepalive comments)."""
-    events = front.full_body[: _event_end(front.full_body, front.fault.events)].split(b"\n\n")
-    return [json.loads(e.removeprefix(b"data: ")) for e in events if e.startswith(b"data: ")]
 
 
 # ---------------------------------------------------------------------------------------
@@ -316,7 +212,7 @@ def test_stream_cut_mid_event_ends_with_openai_error_chunk_and_done(rig):
     ) as r:
         assert r.status_code == 200
         body = r.read()  # a clean end: no truncated-body error
-    whole_events = rig.front.full_body[: _event_end(rig.front.full_body, 3)]
+    whole_events = rig.front.full_body[: event_end(rig.front.full_body, 3)]
     assert len(rig.front.forwarded) == len(whole_events) + 17
     # The whole events arrive untouched, the unfinished fourth is held back (its cut-off
     # JSON would fail the client's parser), then the error chunk and [DONE].
@@ -529,45 +425,3 @@ def test_plain_body_cut_short_truncates_the_client_response(rig):
     assert f"{where(rig)} failed after 40 bytes of the body: " in warning
     assert "cutting the client's connection" in warning
     nothing_lost(rig)
-
-
-# ---------------------------------------------------------------------------------------
-# The event-stream bookkeeping under those tests, on byte splits a socket may produce
-
-
-def test_event_stream_passes_whole_events_and_notices_the_final_one():
-    events = EventStream()
-    assert events.feed(b'data: {"a": 1}\n\ndata: {"b"') == b'data: {"a": 1}\n\n'
-    assert events.feed(b": 2}\r\n\r\nevent: message_stop\ndata: {}\n") == b'data: {"b": 2}\r\n\r\n'
-    assert (events.at_boundary, events.finished) == (True, False)
-    assert events.feed(b"\n") == b"event: message_stop\ndata: {}\n\n"
-    assert events.finished and not events.held
-    done = EventStream()
-    assert done.feed(b'data: {"x": "data: [DONE]"}\n\n') and not done.finished  # inside JSON
-    assert done.feed(b"data: [DONE]\n\n") == b"data: [DONE]\n\n" and done.finished
-
-
-def test_event_stream_passes_an_oversized_event_on_unfinished():
-    events = EventStream()
-    big = b"data: " + b"x" * HELD_MAX
-    assert events.feed(big) == big  # not held in memory without end
-    assert not events.at_boundary  # so an error event must start with a blank line
-    assert events.feed(b"x\n\ndata: 1") == b"x\n\n"
-    assert events.at_boundary and events.held == b"data: 1"
-
-
-def test_event_stream_knows_the_responses_final_events_and_numbering():
-    events = EventStream()
-    created = b'event: response.created\ndata: {"type": "response.created", "sequence_number": 0, '
-    events.feed(created + b'"response": {"id": "resp_a1", "output": [{"id": "msg_1"}]}}\n\n')
-    assert (events.finished, events.response_id, events.next_sequence) == (False, "resp_a1", 1)
-    # A type inside a string is escaped, so it is never taken for the event's own.
-    events.feed(b'data: {"type": "x", "delta": "\\"type\\": \\"response.completed\\""}\n\n')
-    assert not events.finished
-    data_only = EventStream()  # a server that sends no event lines
-    data_only.feed(b'data: {"sequence_number": 7, "type": "response.incomplete"}\n\n')
-    assert data_only.finished and data_only.next_sequence == 8
-    for last in (b"response.completed", b"response.failed", b"error"):
-        named = EventStream()
-        named.feed(b"event: " + last + b"\ndata: {}\n\n")
-        assert named.finished, last

@@ -25,7 +25,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
-from . import specs, tokenizer
+from . import markup, specs, tokenizer
 
 # Room for every family's extra tokens; the model's vocabulary covers the tokenizer's.
 EXTRA_IDS = 32
@@ -102,16 +102,7 @@ class Family:
         return tokenizer.chat_template(self.template or specs.HERMES_TEMPLATE)
 
 
-# -- how each family writes reasoning and calls ---------------------------------------------
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
-
-
-def _text(value: Any) -> str:
-    """A value as the XML-ish formats write it: strings as they are, the rest as JSON."""
-    return value if isinstance(value, str) else _json(value)
+# -- the example answers: reasoning, then calls written as markup.py writes them ----------
 
 
 def _think(reasoning: str) -> str:
@@ -137,133 +128,6 @@ def _examples(
     )
 
 
-def _hermes(calls):
-    return "\n".join(f"<tool_call>{_json(c)}</tool_call>" for c in calls)
-
-
-def _qwen3_xml(calls):
-    def one(c):
-        params = "".join(
-            f"<parameter={k}>\n{_text(v)}\n</parameter>\n" for k, v in c["arguments"].items()
-        )
-        return f"<tool_call>\n<function={c['name']}>\n{params}</function>\n</tool_call>"
-
-    return "\n".join(one(c) for c in calls)
-
-
-def _glm47(calls):
-    def one(c):
-        args = "".join(
-            f"<arg_key>{k}</arg_key><arg_value>{_text(v)}</arg_value>"
-            for k, v in c["arguments"].items()
-        )
-        return f"<tool_call>{c['name']}{args}</tool_call>"
-
-    return "".join(one(c) for c in calls)
-
-
-def _gemma_value(value: Any) -> str:
-    if isinstance(value, str):
-        return f'<|"|>{value}<|"|>'
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return _json(value)
-
-
-def _gemma4(calls):
-    def one(c):
-        args = ",".join(f"{k}:{_gemma_value(v)}" for k, v in c["arguments"].items())
-        return f"<|tool_call>call:{c['name']}{{{args}}}<tool_call|>"
-
-    return "".join(one(c) for c in calls)
-
-
-def _kimi_k2(calls):
-    body = "".join(
-        f"<|tool_call_begin|>functions.{c['name']}:{i}<|tool_call_argument_begin|>"
-        f"{_json(c['arguments'])}<|tool_call_end|>"
-        for i, c in enumerate(calls)
-    )
-    return f"<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
-
-
-def _minimax_m2(calls):
-    def one(c):
-        params = "".join(
-            f'<parameter name="{k}">{_text(v)}</parameter>\n' for k, v in c["arguments"].items()
-        )
-        return f'<invoke name="{c["name"]}">\n{params}</invoke>\n'
-
-    return "<minimax:tool_call>\n" + "".join(one(c) for c in calls) + "</minimax:tool_call>"
-
-
-def _mistral(calls):
-    return "".join(f"[TOOL_CALLS]{c['name']}[ARGS]{_json(c['arguments'])}" for c in calls)
-
-
-def _pythonic(calls):
-    def one(c):
-        return f"{c['name']}({', '.join(f'{k}={_json(v)}' for k, v in c['arguments'].items())})"
-
-    return f"<|tool_call_start|>[{', '.join(one(c) for c in calls)}]<|tool_call_end|>"
-
-
-def _function_gemma(calls):
-    def value(v):
-        return f"<escape>{v}<escape>" if isinstance(v, str) else _json(v)
-
-    def one(c):
-        args = ",".join(f"{k}:{value(v)}" for k, v in c["arguments"].items())
-        return f"<start_function_call>call:{c['name']}{{{args}}}<end_function_call>"
-
-    return "".join(one(c) for c in calls)
-
-
-def _longcat(calls):
-    def one(c):
-        args = "".join(
-            f"<longcat_arg_key>{k}</longcat_arg_key>\n"
-            f"<longcat_arg_value>{_text(v)}</longcat_arg_value>\n"
-            for k, v in c["arguments"].items()
-        )
-        return f"<longcat_tool_call>{c['name']}\n{args}</longcat_tool_call>"
-
-    return "\n".join(one(c) for c in calls)
-
-
-def _minicpm5(calls):
-    def one(c):
-        params = "".join(f'<param name="{k}">{_text(v)}</param>' for k, v in c["arguments"].items())
-        return f'<function name="{c["name"]}">{params}</function>'
-
-    return "".join(one(c) for c in calls)
-
-
-def _kimi_k3(calls):
-    def arg(k, v):
-        # The parser keeps a "string" as written and reads any other type as JSON.
-        kind = "string" if isinstance(v, str) else "integer" if isinstance(v, int) else "object"
-        return f'<|open|>argument key="{k}" type="{kind}"<|sep|>{_text(v)}<|close|>argument<|sep|>'
-
-    body = "".join(
-        f'<|open|>call tool="{c["name"]}" index="{i}"<|sep|>'
-        + "".join(arg(k, v) for k, v in c["arguments"].items())
-        + "<|close|>call<|sep|>"
-        for i, c in enumerate(calls, 1)
-    )
-    # The tools section, then the end of the assistant message (a structural marker).
-    return f"<|open|>tools<|sep|>{body}<|close|>tools<|sep|><|close|>message<|sep|>"
-
-
-def _harmony(calls):
-    (call,) = calls
-    args = json.dumps(call["arguments"], ensure_ascii=False, separators=(",", ":"))
-    return (
-        f"<|start|>assistant<|channel|>commentary to=functions.{call['name']} "
-        f"<|constrain|>json<|message|>{args}<|call|>"
-    )
-
-
 def _family(name: str, write, head=_think, two: bool = True, **kwargs: Any) -> Family:
     one_call, two_calls = _examples(head, write, two)
     return Family(name=name, one_call=one_call, two_calls=two_calls, **kwargs)
@@ -277,7 +141,7 @@ FAMILIES: dict[str, Family] = {
         # demo-llama's and demo-swa's own format.
         _family(
             "json_tools",
-            _hermes,
+            markup.hermes,
             parser="json_tools",
             template=specs.HERMES_TEMPLATE,
             think=_THINK,
@@ -286,7 +150,7 @@ FAMILIES: dict[str, Family] = {
         # demo-hybrid's: Qwen3.5/3.6 XML calls, <think> opened by the generation prompt.
         _family(
             "qwen3_coder",
-            _qwen3_xml,
+            markup.qwen3_xml,
             head=lambda r: f"{r}\n</think>\n\n",
             parser="qwen3_coder",
             template=specs.chat_template_file("demo-hybrid"),
@@ -295,7 +159,7 @@ FAMILIES: dict[str, Family] = {
         ),
         _family(
             "glm47",
-            _glm47,
+            markup.glm47,
             head=lambda r: f"{r}</think>",
             parser="glm47",
             template="chat_template_glm4_7.jinja",
@@ -314,7 +178,7 @@ FAMILIES: dict[str, Family] = {
         ),
         _family(
             "gemma4",
-            _gemma4,
+            markup.gemma4,
             head=lambda r: f"<|channel>thought\n{r}<channel|>",
             parser="gemma4",
             template="chat_template_gemma4.jinja",
@@ -338,7 +202,7 @@ FAMILIES: dict[str, Family] = {
         # gpt-oss: mlx-lm has no parser; engine_bridge/prompting/harmony.py reads the channels.
         _family(
             "harmony",
-            _harmony,
+            markup.harmony,
             head=lambda r: f"<|channel|>analysis<|message|>{r}<|end|>",
             two=False,
             parser=None,
@@ -359,7 +223,7 @@ FAMILIES: dict[str, Family] = {
         # No template of ours: the Hermes one, and tool_parser_type names the parser.
         _family(
             "kimi_k2",
-            _kimi_k2,
+            markup.kimi_k2,
             parser="kimi_k2",
             template=None,
             think=_THINK,
@@ -374,7 +238,7 @@ FAMILIES: dict[str, Family] = {
         ),
         _family(
             "minimax_m2",
-            _minimax_m2,
+            markup.minimax_m2,
             parser="minimax_m2",
             template=None,
             think=_THINK,
@@ -385,7 +249,7 @@ FAMILIES: dict[str, Family] = {
         # reasoning here uses the demo vocabulary's <think>.
         _family(
             "mistral",
-            _mistral,
+            markup.mistral,
             parser="mistral",
             template=None,
             think=_THINK,
@@ -394,7 +258,7 @@ FAMILIES: dict[str, Family] = {
         ),
         _family(
             "pythonic",
-            _pythonic,
+            markup.pythonic,
             parser="pythonic",
             template=None,
             think=_THINK,
@@ -403,7 +267,7 @@ FAMILIES: dict[str, Family] = {
         ),
         _family(
             "function_gemma",
-            _function_gemma,
+            markup.function_gemma,
             parser="function_gemma",
             template=None,
             think=_THINK,
@@ -412,7 +276,7 @@ FAMILIES: dict[str, Family] = {
         ),
         _family(
             "longcat",
-            _longcat,
+            markup.longcat,
             head=lambda r: f"<longcat_think>\n{r}\n</longcat_think>\n\n",
             parser="longcat",
             template=None,
@@ -436,7 +300,7 @@ FAMILIES: dict[str, Family] = {
         # section (empty before a call here) and the message end are structural markers.
         _family(
             "kimi_k3",
-            _kimi_k3,
+            markup.kimi_k3,
             head=lambda r: (
                 f"<|open|>think<|sep|>{r}<|close|>think<|sep|>"
                 "<|open|>response<|sep|><|close|>response<|sep|>"
@@ -452,7 +316,7 @@ FAMILIES: dict[str, Family] = {
         # Poolside Laguna writes GLM 4.7's calls; its checkpoints name the parser.
         _family(
             "laguna",
-            _glm47,
+            markup.glm47,
             parser="laguna",
             template=None,
             think=_THINK,
@@ -461,7 +325,7 @@ FAMILIES: dict[str, Family] = {
         ),
         _family(
             "minicpm5",
-            _minicpm5,
+            markup.minicpm5,
             parser="minicpm5",
             template=None,
             think=_THINK,
