@@ -252,7 +252,8 @@ async def _relay_body(
     response: web.StreamResponse,
 ) -> bool:
     """Copy the body to the client; True when the upstream's body was read to its end."""
-    events = EventStream() if _is_event_stream(upstream) else None
+    responses = request.path == _RESPONSES_ROUTE
+    events = EventStream(responses=responses) if _is_event_stream(upstream) else None
     received = 0
     try:
         async for chunk in upstream.content.iter_any():
@@ -292,7 +293,7 @@ async def _relay_body(
         return False
     err = ApiError(502, message, code="upstream_stream_dropped")
     sse = SSEWriter(request, response=response)
-    if request.path == "/v1/responses":
+    if responses:
         await sse.fail_response(err, events.response_id, events.next_sequence)
     else:
         await sse.fail(err, dialect_for(request.path))
@@ -313,8 +314,9 @@ def _is_event_stream(upstream: aiohttp.ClientResponse) -> bool:
 
 
 # Routes whose streams end with a final event of their dialect's own (see EventStream).
+_RESPONSES_ROUTE = "/v1/responses"
 _FINAL_EVENT_ROUTES = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"}
+    {"/v1/chat/completions", "/v1/completions", "/v1/messages", _RESPONSES_ROUTE}
 )
 
 

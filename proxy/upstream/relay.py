@@ -36,12 +36,14 @@ _RESPONSE_ID = re.compile(rb'"id": ?"(resp_[A-Za-z0-9_-]{1,200})"')
 @dataclass(slots=True)
 class EventStream:
     """``held`` is the unfinished event; ``at_boundary`` says what was passed on ended on a
-    blank line; ``finished`` says a dialect's final event went by. ``next_sequence`` and
-    ``response_id`` are a Responses stream's, from what was passed on."""
+    blank line; ``finished`` says a dialect's final event went by. For a Responses stream
+    (``responses``), ``next_sequence`` and ``response_id`` are read from what was passed on;
+    other streams are not scanned for them."""
 
     held: bytearray = field(default_factory=bytearray)
     at_boundary: bool = True
     finished: bool = False
+    responses: bool = False
     next_sequence: int = 0
     response_id: str | None = None
 
@@ -56,12 +58,16 @@ class EventStream:
         out = bytes(self.held[:end])
         del self.held[:end]
         self.finished = self.finished or _FINAL_EVENT.search(out) is not None
+        if self.responses:
+            self._track(out)
+        return out
+
+    def _track(self, out: bytes) -> None:
         numbers = _SEQUENCE.findall(out)
         if numbers:
             self.next_sequence = max(self.next_sequence, max(int(n) for n in numbers) + 1)
         if self.response_id is None and (found := _RESPONSE_ID.search(out)):
             self.response_id = found[1].decode()
-        return out
 
 
 def _events_end(buf: bytearray) -> int:

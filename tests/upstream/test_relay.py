@@ -28,14 +28,17 @@ def test_event_stream_passes_an_oversized_event_on_unfinished():
 
 
 def test_event_stream_knows_the_responses_final_events_and_numbering():
-    events = EventStream()
+    events = EventStream(responses=True)
     created = b'event: response.created\ndata: {"type": "response.created", "sequence_number": 0, '
     events.feed(created + b'"response": {"id": "resp_a1", "output": [{"id": "msg_1"}]}}\n\n')
     assert (events.finished, events.response_id, events.next_sequence) == (False, "resp_a1", 1)
+    chat = EventStream()  # other routes' streams are not scanned for them
+    chat.feed(created + b'"response": {"id": "resp_a1"}}\n\n')
+    assert (chat.response_id, chat.next_sequence) == (None, 0)
     # A type inside a string is escaped, so it is never taken for the event's own.
     events.feed(b'data: {"type": "x", "delta": "\\"type\\": \\"response.completed\\""}\n\n')
     assert not events.finished
-    data_only = EventStream()  # a server that sends no event lines
+    data_only = EventStream(responses=True)  # a server that sends no event lines
     data_only.feed(b'data: {"sequence_number": 7, "type": "response.incomplete"}\n\n')
     assert data_only.finished and data_only.next_sequence == 8
     for last in (b"response.completed", b"response.failed", b"error"):

@@ -134,6 +134,8 @@ def _family(name: str, write, head=_think, two: bool = True, **kwargs: Any) -> F
 
 
 _THINK = ("<think>", "</think>")
+# GLM 4.5-4.7's argument tags, which Laguna's calls use too.
+_GLM_ARGS = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -173,7 +175,7 @@ FAMILIES: dict[str, Family] = {
                 "<|assistant|>",
                 "<|observation|>",
             ),
-            markup=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+            markup=_GLM_ARGS,
             eos=("<|user|>", "<|observation|>", "<|endoftext|>"),
         ),
         _family(
@@ -321,7 +323,7 @@ FAMILIES: dict[str, Family] = {
             template=None,
             think=_THINK,
             opens_thinking=False,
-            markup=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+            markup=_GLM_ARGS,
         ),
         _family(
             "minicpm5",
