@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
+from typing import Any
 
 from . import cache_probe, kv
 from .cache.ram.manager import CacheManager
@@ -26,15 +27,17 @@ from .ops.memory import HEAP_TRIM_S, MemoryGuard, default_kv_memory, mlx_memory,
 from .ops.request_log import RequestLog
 from .ops.request_stats import RequestStats
 from .prompt_cache import ModelCache
+from .prompting import template_flags
 from .prompting.render import RenderedPrompt, render_chat, render_completion
 from .scheduling.forced_output import ForcedOutputs
-from .scheduling.output_rules import call_marker_is_token, output_rule
+from .scheduling.output_rules import output_rule
 from .scheduling.runner import Job, Runner
 from .scheduling.scheduler import Scheduler, SchedulerSettings
 from .served import ServedModels
 from .sessions.admin import SessionAdmin
 from .sessions.catalog import ClientSessions
 from .stream import GenerationStream
+from .turns import Turns, rendered_tools
 from .types import (
     EngineError,
     GenerationFailed,
@@ -46,6 +49,7 @@ from .types import (
     WarmResult,
 )
 from .vision import prompt as vision_prompt
+from .warm_ahead import WarmAhead
 
 log = logging.getLogger("engine_bridge.engine")
 
@@ -70,6 +74,10 @@ class Engine:
         self.request_log = RequestLog(settings.alert_hit_ratio)
         self._forced = ForcedOutputs.from_env()  # tests only
         self._caches: dict[str, ModelCache] = {}  # each loaded model's prompt cache
+        # Template defaults and dropped reasoning before a render; after a turn, its
+        # reasoning kept and the next question's prefix warmed while idle.
+        self.warm_ahead = WarmAhead(self, settings.warm_ahead)
+        self.turns = Turns(settings, self.warm_ahead, self._tokenize_pool)
         # Awaited before a model loads in-process, with what is about to load: the proxy
         # asks LM Studio to let go of its own copy of the same weights (proxy/upstream/lmstudio_rest.py).
         self.before_load: Callable[[models.ModelRef], Awaitable[None]] | None = None
@@ -169,7 +177,7 @@ class Engine:
                     self.scheduler,
                     self._session_factory(loaded),
                     on_result=self._record,
-                    on_done=self.request_log.on_done,
+                    on_done=functools.partial(self._on_done, loaded),
                 )
                 self.scheduler.add(entry.runner)
             # Marks the model busy for the idle janitor before any await can intervene.
@@ -198,6 +206,10 @@ class Engine:
                 listener(req, result)
             except Exception:  # a listener's bug must not fail the request it observes
                 log.exception("result listener %r failed", listener)
+
+    def _on_done(self, loaded: models.LoadedModel, seq, result: GenerationResult) -> None:
+        self.request_log.on_done(seq, result)
+        self.turns.ended(loaded, seq.job, result)
 
     async def unload_idle(self, idle_s: float, keep: str | None = None) -> list[str]:
         """Unload models unused for `idle_s` seconds, but `keep` (loading, its lock held);
@@ -278,11 +290,18 @@ class Engine:
         """Prefill and store `req`'s prompt, generating nothing."""
         return await cache_probe.warm(self, req, self.settings.cache_enabled)
 
-    async def _prepare(self, req: GenerationRequest) -> tuple[Runner, Job]:
-        """Tokenize and validate; every client mistake surfaces here, before streaming."""
+    async def _prepare(
+        self, req: GenerationRequest, rendered: RenderedPrompt | None = None
+    ) -> tuple[Runner, Job]:
+        """Tokenize and validate; every client mistake surfaces here, before streaming.
+        `rendered`: the prompt, already rendered (warming ahead)."""
         runner = await self.runner(req.model)
         loaded = runner.loaded
-        if req.prompt_tokens is not None:
+        if req.messages is not None:
+            req = await self._tokenize(self.turns.prepare, loaded, req)
+        if rendered is not None:
+            prompt = rendered
+        elif req.prompt_tokens is not None:
             vocab = _vocab_size(loaded.config)
             bad = [t for t in req.prompt_tokens if not 0 <= t < (vocab or 1 << 62)]
             if bad:
@@ -329,7 +348,12 @@ class Engine:
         Raises `EngineError` for a request the engine refuses (a 4xx, 429 when the queue is
         full) and `GenerationFailed` when the engine fails before the first event.
         """
-        runner, job = await self._prepare(req)
+        self.turns.loop = asyncio.get_running_loop()
+        self.warm_ahead.preempt()  # the machine is the request's now
+        return await self._launch(*await self._prepare(req))
+
+    async def _launch(self, runner: Runner, job: Job) -> GenerationStream:
+        req = job.request
         # The runner's own generator, not a wrapper: closing it must run its cleanup (cancel,
         # then wait until the scheduler let go) now, not whenever a wrapper is collected.
         events = runner.run(job)
@@ -373,25 +397,43 @@ class Engine:
 
     async def count_tokens(self, req: GenerationRequest) -> int:
         runner = await self.runner(req.model)
+        req = await self._tokenize(self.turns.prepare, runner.loaded, req)
         return len((await self._render_chat(runner.loaded, req)).tokens)
 
-    @staticmethod
-    def _rendered_tools(loaded: models.LoadedModel, req: GenerationRequest) -> list | None:
-        """The tools the template shows. `tool_choice: none` keeps them, so the prompt and
-        its cache match the turns that allow calls, and bans the call marker instead; a
-        family whose marker is several tokens cannot ban it, so it shows none."""
-        if req.tool_choice.mode == "none" and not call_marker_is_token(
-            loaded.tokenizer, loaded.output_format
-        ):
+    def template_defaults(self, model_id: str) -> dict[str, Any]:
+        """The chat template kwargs the engine sets for `model_id` unless a request or its
+        settings do: `preserve_thinking` where the template reads it. Read from the
+        model's files when it is not loaded."""
+        entry = self._served.require(model_id)
+        if entry.loaded is not None:
+            return self.turns.template_defaults(entry.loaded)
+        return template_flags.default_kwargs(models.chat_template_text(entry.ref.path))
+
+    # -- warming ahead (warm_ahead.py) ----------------------------------------------------
+
+    def active_requests(self) -> int:
+        return self._served.active_requests()
+
+    def warm_room_tokens(self, model_id: str, share: float) -> int | None:
+        """How many new tokens of `model_id` fit in `share` of the RAM tier's budget;
+        None before a prefill taught the runner its bytes per token."""
+        entry = self._served.get(model_id)
+        per_token = entry.runner.bytes_per_token if entry and entry.runner else 0.0
+        if per_token <= 0:
             return None
-        if req.tool_choice.name and req.tools:
-            # A named tool: only it is offered (the prompt then differs from the turns
-            # that offer all, from the tools on).
-            named = [
-                t for t in req.tools if t.get("function", {}).get("name") == req.tool_choice.name
-            ]
-            return named or req.tools
-        return req.tools
+        if self.memory.pressure.active:
+            return 0  # the guard is shrinking the tier: nothing ahead of need
+        return int(self.tiers.ram.budget_bytes * share / per_token)
+
+    async def probe_prompt(self, req: GenerationRequest, prompt: RenderedPrompt) -> ProbeResult:
+        _, job = await self._prepare(req, prompt)
+        return await cache_probe.probe(req, job, self.model_cache(req.model), self._on_mlx)
+
+    async def start_prompt(
+        self, req: GenerationRequest, prompt: RenderedPrompt
+    ) -> GenerationStream:
+        """Start `req` on a prompt already rendered; it preempts nothing."""
+        return await self._launch(*await self._prepare(req, prompt))
 
     async def _render_chat(
         self, loaded: models.LoadedModel, req: GenerationRequest
@@ -405,7 +447,7 @@ class Engine:
             render_chat,
             loaded.tokenizer,
             req.messages or [],
-            self._rendered_tools(loaded, req),
+            rendered_tools(loaded, req),
             req.template_kwargs,
             self.settings.normalization,
             loaded.prefixes,
@@ -426,34 +468,14 @@ class Engine:
             "misses": req["misses"],
             "hit_ratio": req["hit_ratio"],
             "cache_enabled": self.settings.cache_enabled,
-            "scheduler": self._scheduler_stats(),
+            "scheduler": self.scheduler.stats.to_json(),
             "memory": asdict(self.memory.pressure) | mlx_memory() | self.preflight.stats(),
             **asdict(self.tiers.stats()),
             "models": self.model_ids,
-            "vision": self._vision_stats(),
+            "vision": self._served.vision_stats(),
             "alert": self.request_log.alert_state(),
-        }
-
-    def _vision_stats(self) -> dict:
-        """Feature and preprocessing caches, summed over the loaded models that see."""
-        total: dict[str, int] = {}
-        for loaded in self._served.loaded():
-            seeing = loaded.vision
-            if seeing is None:
-                continue
-            counts = asdict(seeing.feature_cache.snapshot()) | seeing.spec.prepared.stats()
-            for k, v in counts.items():
-                total[k] = total.get(k, 0) + v
-        return total
-
-    def _scheduler_stats(self) -> dict:
-        s = self.scheduler.stats
-        return asdict(s) | {
-            "mean_batch": s.mean_batch,
-            "tokens_per_step": s.tokens_per_step,
-            "spec_acceptance": s.spec_acceptance,
-            "decode_tok_s": s.decode_tok_s,
-            "prefill_tok_s": s.prefill_tok_s,
+            "warm_ahead": self.warm_ahead.stats(),
+            "reasoning_memo": asdict(self.turns.reasoning.stats()),
         }
 
     async def _on_mlx(self, fn, *args):
@@ -463,6 +485,7 @@ class Engine:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     async def close(self) -> None:
+        await self.warm_ahead.close()
         # Cancels what is running or queued; each cancelled request still saves its cache.
         await asyncio.to_thread(self.scheduler.close)
         # Drain queued writes (bounded), so a clean shutdown loses nothing computed.

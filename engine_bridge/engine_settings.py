@@ -11,6 +11,7 @@ from .prompt_cache import CachePolicy
 from .prompting.render import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from .scheduling.speculation.control import SpeculativeSettings
 from .vision.prompt import VisionLimits
+from .warm_ahead import WarmAheadSettings
 
 
 @dataclass(slots=True)
@@ -69,3 +70,8 @@ class EngineSettings:
     )
     # Images per request and per image ([vision]); over a limit answers 4xx.
     vision_limits: VisionLimits = field(default_factory=VisionLimits)
+    # Templates that drop earlier reasoning with no flag to keep it: the next question's
+    # prefix is prefilled while the machine is idle (warm_ahead.py).
+    warm_ahead: WarmAheadSettings = field(default_factory=WarmAheadSettings)
+    # The reasoning generated per assistant turn, put back where a client drops it (bytes).
+    reasoning_memo_bytes: int = 16 << 20

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from .models.loading import LoadedModel, ModelRef
 from .scheduling.jobs import Job
@@ -66,6 +66,22 @@ class ServedModels:
         for entry in list(self._by_id.values()):
             if entry.runner is not None:
                 yield entry.runner.loaded
+
+    def active_requests(self) -> int:
+        """Requests submitted to any loaded model and not yet finished."""
+        return sum(e.runner.active_jobs for e in list(self._by_id.values()) if e.runner)
+
+    def vision_stats(self) -> dict[str, int]:
+        """Feature and preprocessing caches, summed over the loaded models that see."""
+        total: dict[str, int] = {}
+        for loaded in self.loaded():
+            seeing = loaded.vision
+            if seeing is None:
+                continue
+            counts = asdict(seeing.feature_cache.snapshot()) | seeing.spec.prepared.stats()
+            for k, v in counts.items():
+                total[k] = total.get(k, 0) + v
+        return total
 
     def live_jobs(self) -> list[tuple[str, Job]]:
         """(model id, job) of every job submitted to a loaded model and not yet ended."""

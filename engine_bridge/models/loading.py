@@ -85,6 +85,23 @@ class LoadedModel:
     mtp: MTPSource | None = None
 
 
+def chat_template_text(path: Path) -> str:
+    """The chat template a model directory ships ("" when none is found): its
+    chat_template.jinja, else tokenizer_config.json's (a string, or the "default" one)."""
+    jinja = path / "chat_template.jinja"
+    try:
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8")
+        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else ""
+
+
 def resolve(spec: str, cache_dir: Path, lmstudio_dirs: list[Path]) -> ModelRef:
     """Turn a demo id, a directory path or an LM Studio key into a model directory."""
     if demo.is_demo_model(spec):

@@ -10,7 +10,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from ..types import EngineError
@@ -108,6 +108,16 @@ class SchedulerStats:
     @property
     def prefill_tok_s(self) -> float:
         return round(self.prefill_tokens / self.prefill_s, 1) if self.prefill_s else 0.0
+
+    def to_json(self) -> dict:
+        """The counters and the figures derived from them."""
+        return asdict(self) | {
+            "mean_batch": self.mean_batch,
+            "tokens_per_step": self.tokens_per_step,
+            "spec_acceptance": self.spec_acceptance,
+            "decode_tok_s": self.decode_tok_s,
+            "prefill_tok_s": self.prefill_tok_s,
+        }
 
 
 class Scheduler:

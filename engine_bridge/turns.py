@@ -1,0 +1,142 @@
+"""Between turns: what a request is rendered with, and what a finished turn leaves behind.
+
+Before rendering, a chat request gets the template kwargs its model's template keeps
+history with (`preserve_thinking`, unless the request or its settings say otherwise) and
+the reasoning a client dropped from its earlier assistant turns. After a turn, the
+reasoning it generated is remembered, and when it ended with an answer the next
+question's prefix is offered for warming ahead (`warm_ahead.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from .prompting import next_turn, template_flags
+from .prompting.reasoning_memo import ReasoningMemo, Scope
+from .scheduling.output_rules import call_marker_is_token
+from .types import GenerationRequest, GenerationResult
+from .warm_ahead import WarmAhead, WarmOffer
+
+if TYPE_CHECKING:
+    from .engine_settings import EngineSettings
+    from .models.loading import LoadedModel
+    from .scheduling.jobs import Job
+
+log = logging.getLogger("engine_bridge.turns")
+
+# Turns that end this way leave an answer a client shows and a question may follow.
+_ANSWERED = ("stop", "stop_string")
+
+
+def _scope(req: GenerationRequest) -> Scope:
+    return (req.tenant, req.model, req.session)
+
+
+class Turns:
+    def __init__(
+        self,
+        settings: EngineSettings,
+        warm_ahead: WarmAhead,
+        pool: concurrent.futures.Executor,
+    ):
+        self.settings = settings
+        self.warm_ahead = warm_ahead
+        self.reasoning = ReasoningMemo(settings.reasoning_memo_bytes)
+        # Every render runs on this one thread (the engine's tokenize pool): a turn's
+        # reasoning is remembered before the next request of its session is rendered.
+        self._pool = pool
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @staticmethod
+    def template_defaults(loaded: LoadedModel) -> dict[str, Any]:
+        """The kwargs the engine renders `loaded`'s template with unless told otherwise."""
+        source = template_flags.chat_template_source(loaded.tokenizer)
+        return template_flags.default_kwargs(source)
+
+    def prepare(self, loaded: LoadedModel, req: GenerationRequest) -> GenerationRequest:
+        """`req` as it is rendered: default template kwargs under its own, and dropped
+        reasoning put back (on the tokenize thread)."""
+        defaults = self.template_defaults(loaded)
+        kwargs = defaults | req.template_kwargs if defaults else req.template_kwargs
+        messages = req.messages
+        if messages is not None and req.use_cache:
+            messages = self.reasoning.restore(_scope(req), messages)
+        return replace(req, template_kwargs=kwargs, messages=messages)
+
+    def ended(self, loaded: LoadedModel, job: Job, result: GenerationResult) -> None:
+        """A chat turn finished (on the MLX thread): the rest runs on the tokenize thread."""
+        req = job.request
+        if req.messages is None or req.prefill_only or not req.use_cache:
+            return
+        if not self.settings.cache_enabled or self.loop is None:
+            return
+        self._pool.submit(self._follow_up, loaded, job, result)
+
+    def _follow_up(self, loaded: LoadedModel, job: Job, result: GenerationResult) -> None:
+        req = job.request
+        try:
+            choice = req.tool_choice
+            reply = next_turn.read_reply(
+                loaded.output_format,
+                result.text,
+                job.prompt.text,
+                req.tools if choice.mode != "none" else None,
+                result.finish_reason,
+                choice.parallel,
+            )
+            self.reasoning.remember(_scope(req), reply.content, reply.calls, reply.reasoning)
+            if reply.calls or result.finish_reason not in _ANSWERED:
+                return  # a tool result comes next, which no template rewrites history for
+            if not self.warm_ahead.settings.enabled:
+                return
+            prefix = next_turn.next_question_prefix(
+                loaded.tokenizer,
+                req.messages or [],
+                reply.message(),
+                req.tools,
+                req.template_kwargs,
+                self.settings.normalization,
+                loaded.prefixes,
+            )
+        except Exception:  # a follow-up must never fail what it follows
+            log.exception("[%s] reading the finished turn failed", req.request_id)
+            return
+        if prefix is None:
+            log.debug(
+                "[%s] the next question starts inside a token: nothing to warm", req.request_id
+            )
+            return
+        offer = WarmOffer(req.model, req.tenant, req.session, prefix, lane=_lane(req))
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self.warm_ahead.offer, offer)
+
+
+def rendered_tools(loaded: LoadedModel, req: GenerationRequest) -> list | None:
+    """The tools the template shows. `tool_choice: none` keeps them, so the prompt and
+    its cache match the turns that allow calls, and bans the call marker instead; a
+    family whose marker is several tokens cannot ban it, so it shows none."""
+    if req.tool_choice.mode == "none" and not call_marker_is_token(
+        loaded.tokenizer, loaded.output_format
+    ):
+        return None
+    if req.tool_choice.name and req.tools:
+        # A named tool: only it is offered (the prompt then differs from the turns
+        # that offer all, from the tools on).
+        named = [t for t in req.tools if t.get("function", {}).get("name") == req.tool_choice.name]
+        return named or req.tools
+    return req.tools
+
+
+def _lane(req: GenerationRequest) -> str:
+    """The session's id, or for a client that sends none its conversation (the first user
+    message)."""
+    if req.session:
+        return req.session
+    for m in req.messages or ():
+        if m.role == "user":
+            return "conversation:" + str(hash(m.content) & 0xFFFFFFFF)
+    return ""
