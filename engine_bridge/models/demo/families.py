@@ -8,6 +8,9 @@ appended after the demo's ids, or, where the demo's own markup would change what
 infers (Gemma 4 and gpt-oss have no `<think>`), put in its place. Every family model has
 the same vocabulary size and so the same weights.
 
+A family model can also be built on a real model's template (real_templates.py): then mlx-lm
+infers from that template and that model's markers what it infers for the real model.
+
 Each family carries example answers in its real markup, reasoning first: one call and two
 calls, as the model writes them right after the family's generation prompt. Forcing a model
 to write one of them must give back `reasoning` and `calls` (tests/prompting/test_demo_templates.py
@@ -16,6 +19,7 @@ checks each text with the family's mlx-lm parser).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable
@@ -25,7 +29,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
-from . import markup, specs, tokenizer
+from . import markup, real_templates, specs, tokenizer
 
 # Room for every family's extra tokens; the model's vocabulary covers the tokenizer's.
 EXTRA_IDS = 32
@@ -92,13 +96,17 @@ class Family:
     markup: tuple[str, ...] = ()
     # End-of-sequence tokens, first one the tokenizer's eos_token.
     eos: tuple[str, ...] = (tokenizer.EOS_TOKEN,)
+    # A real model's template (real_templates.py), which replaces `template`.
+    template_file: Path | None = None
 
     @property
     def explicit(self) -> bool:
         """tokenizer_config.json names the parser (mlx-lm cannot infer it from a template)."""
-        return self.parser is not None and self.template is None
+        return self.parser is not None and self.template is None and self.template_file is None
 
     def chat_template(self) -> str:
+        if self.template_file is not None:
+            return self.template_file.read_text(encoding="utf-8")
         return tokenizer.chat_template(self.template or specs.HERMES_TEMPLATE)
 
 
@@ -120,11 +128,12 @@ def _examples(
     head: Callable[[str], str],
     write: Callable[[tuple[dict[str, Any], ...]], str],
     two: bool = True,
+    reasoning: str = REASONING,
 ) -> tuple[Example, Example | None]:
     one_call, two_calls = (BASH,), (BASH, READ)
     return (
-        _example(REASONING, one_call, head, write(one_call)),
-        _example(REASONING, two_calls, head, write(two_calls)) if two else None,
+        _example(reasoning, one_call, head, write(one_call)),
+        _example(reasoning, two_calls, head, write(two_calls)) if two else None,
     )
 
 
@@ -337,6 +346,33 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+def real_family(name: str, template_file: Path) -> Family:
+    """`name`'s family on a real template file (a REAL_TEMPLATES entry): its tokens, its
+    reasoning markers and its example answers as that template's model writes them."""
+    real = real_templates.REAL.get(Path(template_file).name)
+    if real is None or real.family != name:
+        valid = ", ".join(real_templates.REAL_TEMPLATES.get(name, ()))
+        raise ValueError(f"{Path(template_file).name!r} is not a {name} template; valid: {valid}")
+    # A model that does not reason writes its calls right after the generation prompt.
+    head = real.head or (lambda _: "")
+    one_call, two_calls = _examples(
+        head, real.write, real.two_calls, REASONING if real.head else ""
+    )
+    return dataclasses.replace(
+        FAMILIES[name],
+        template=None,
+        template_file=Path(template_file),
+        think=real.think,
+        opens_thinking=real.opens_thinking,
+        one_call=one_call,
+        two_calls=two_calls,
+        renames=real.renames,
+        control=real.control,
+        markup=real.markup,
+        eos=real.eos,
+    )
+
+
 # -- building a family model ----------------------------------------------------------------
 
 
@@ -358,11 +394,12 @@ def family_tokenizer(family: Family) -> Tokenizer:
     return tok
 
 
-def write_family_model(out_dir: Path, family: str) -> Path:
-    """Write a loadable model directory speaking `family` (a FAMILIES key) into `out_dir`."""
+def write_family_model(out_dir: Path, family: str, template_file: Path | None = None) -> Path:
+    """Write a loadable model directory speaking `family` (a FAMILIES key) into `out_dir`,
+    on `template_file` (a real template of that family) when given."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; valid: {', '.join(FAMILIES)}")
-    spec = FAMILIES[family]
+    spec = FAMILIES[family] if template_file is None else real_family(family, template_file)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = family_tokenizer(spec)

@@ -41,6 +41,19 @@ def glm47(calls):
     return "".join(one(c) for c in calls)
 
 
+def glm46(calls):
+    """GLM-4.5/4.6: each call, and each argument tag, on a line of its own."""
+
+    def one(c):
+        args = "".join(
+            f"<arg_key>{k}</arg_key>\n<arg_value>{_text(v)}</arg_value>\n"
+            for k, v in c["arguments"].items()
+        )
+        return f"\n<tool_call>{c['name']}\n{args}</tool_call>"
+
+    return "".join(one(c) for c in calls)
+
+
 def _gemma_value(value: Any) -> str:
     if isinstance(value, str):
         return f'<|"|>{value}<|"|>'
@@ -78,6 +91,17 @@ def minimax_m2(calls):
 
 def mistral(calls):
     return "".join(f"[TOOL_CALLS]{c['name']}[ARGS]{_json(c['arguments'])}" for c in calls)
+
+
+# Mistral Small 3.2 writes a call id of 9 letters and digits; its template rejects others.
+MISTRAL_CALL_IDS = ("a1B2c3D4e", "f5G6h7J8k")
+
+
+def mistral_call_ids(calls):
+    return "".join(
+        f"[TOOL_CALLS]{c['name']}[CALL_ID]{i}[ARGS]{_json(c['arguments'])}"
+        for c, i in zip(calls, MISTRAL_CALL_IDS, strict=False)
+    )
 
 
 def pythonic(calls):
