@@ -18,6 +18,7 @@ from typing import Any
 SCENARIOS = (
     "chat",
     "agent",
+    "agent-templates",
     "restart",
     "share",
     "hybrid",

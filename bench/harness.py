@@ -57,7 +57,7 @@ class Harness:
         self.fleet.__exit__(*exc)
 
     @contextmanager
-    def serve(self, kind: Kind) -> Iterator[Server]:
+    def serve(self, kind: Kind, env: dict[str, str] | None = None) -> Iterator[Server]:
         """One warmed-up server (ours on a fresh cache dir), stopped when the block ends.
 
         Scenarios run one server at a time: three copies of a large model would not fit
@@ -69,7 +69,7 @@ class Harness:
             else servers.fresh_cache_dir(self.work, kind, self.model)
         )
         server = self.fleet.add(
-            servers.start(kind, self.model, self.logs, cache_dir, "", self.settings.proxy_args)
+            servers.start(kind, self.model, self.logs, cache_dir, "", self.settings.proxy_args, env)
         )
         try:
             self.warm(server)
@@ -211,7 +211,6 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 def resolve_model(spec: str, models_dir: Path, shape: str | None = None):
     """A ModelSpec for a demo id, a shape to build, or an MLX model directory."""
     from engine_bridge.models.demo import is_demo_model
-
 
     if shape:
         built = probe("shape", shape, str(models_dir.parent))

@@ -1,5 +1,5 @@
 """PNG plots of a run: TTFT per turn (chat) and per request (agent), hit ratio, restarts,
-concurrency.
+concurrency, and the share from the cache per request of agent sessions on real templates.
 
 matplotlib is an optional extra (`pip install 'mlx-prompt-cache[bench]'`); without it the
 run still writes its JSON and Markdown and says that the plots were skipped.
@@ -34,6 +34,7 @@ def plot_all(out: Path, results: list[ScenarioResult]) -> tuple[list[Path], str 
     agents = [r for r in results if r.scenario == "agent" and r.samples]
     restarts = [r for r in results if r.scenario.endswith("restart") and r.rows]
     concurrent = [r for r in results if r.scenario == "concurrency" and r.rows]
+    templated = [r for r in results if r.scenario == "agent-templates" and r.samples]
     if chats:
         written.append(_ttft(plt, out / "chat_ttft.png", chats, "turn", new_only=True))
     if agents:
@@ -44,6 +45,8 @@ def plot_all(out: Path, results: list[ScenarioResult]) -> tuple[list[Path], str 
         written.append(_restart(plt, out / "restart_ttft.png", restarts))
     if concurrent:
         written.append(_concurrency(plt, out / "concurrency.png", concurrent))
+    if templated:
+        written.append(_agent_templates(plt, out / "agent_templates.png", templated))
     return written, None
 
 
@@ -150,6 +153,40 @@ def _concurrency(plt, path: Path, results: list[ScenarioResult]):
         rows = {row.metric: row.values for row in r.rows}
         for ax, (metric, ylabel, title) in zip(axes[3 * i :], panels, strict=False):
             _bars(ax, rows.get(metric, {}), ylabel, f"{title} — {r.model}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _agent_templates(plt, path: Path, results: list[ScenarioResult]):
+    """Share of each request's prompt from the cache along one session, per template."""
+    from matplotlib.ticker import MaxNLocator
+
+    lines = (
+        ("ours", "", "-", "no pause"),
+        ("ours", "-paused", "-.", "pause = cold prefill"),
+        ("mlx_lm", "", "--", "same prompts"),
+    )
+    fig, axes = _grid(plt, len(results), height=3.2)
+    for ax, r in zip(axes, results, strict=False):
+        for kind, suffix, style, what in lines:
+            samples = sorted(r.of(kind, "question" + suffix) + r.of(kind, "tool" + suffix),
+                             key=lambda s: s.step)  # fmt: skip
+            pts = [(s.step + 1, s.hit_ratio) for s in samples if s.hit_ratio is not None]
+            if pts:
+                color, marker = STYLE[kind]
+                ax.plot(*zip(*pts, strict=True), style, color=color, marker=marker,
+                        label=f"{LABELS[kind]}, {what}")  # fmt: skip
+        for s in r.of("ours", "question"):
+            ax.axvline(s.step + 1, color="grey", lw=0.8, ls=":")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(f"agent session — {r.model} (dotted: new questions)", fontsize=9)
+        ax.set_xlabel("request")
+        ax.set_ylabel("cached / prompt tokens")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -118,9 +118,10 @@ def start(
     cache_dir: Path | None = None,
     tag: str = "",
     proxy_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> Server:
     """Start one server and wait until /health answers; raises with the log tail if it dies."""
-    server = launch(kind, model, logs, cache_dir, tag, proxy_args)
+    server = launch(kind, model, logs, cache_dir, tag, proxy_args, env)
     wait_ready(server)
     return server
 
@@ -132,8 +133,10 @@ def launch(
     cache_dir: Path | None = None,
     tag: str = "",
     proxy_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> Server:
-    """Start one server; `proxy_args` go to our proxy's serve command (e.g. engine knobs)."""
+    """Start one server; `proxy_args` go to our proxy's serve command (e.g. engine knobs),
+    `env` to its environment (e.g. the test-only forced-output hook)."""
     port = free_port()
     if kind in REFERENCE_SERVERS:
         cmd = [sys.executable, "-m", REFERENCE_SERVERS[kind], "--model", str(model.path)]
@@ -149,7 +152,7 @@ def launch(
         cmd += proxy_args
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{kind}{'-' + tag if tag else ''}-{port}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if kind == "mlx_vlm":
         # Its automatic prefix cache (vision features by image hash included) is off by
         # default; its disk tier goes to the run's folder, not the user's cache.

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .prompting import next_turn, template_flags
@@ -28,8 +27,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("engine_bridge.turns")
 
-# Turns that end this way leave an answer a client shows and a question may follow.
-_ANSWERED = ("stop", "stop_string")
+# Turns that end this way leave an answer a client shows and a question may follow (one cut
+# off by max_tokens too); a cancelled one was not read.
+_ANSWERED = ("stop", "stop_string", "length")
 
 
 def _scope(req: GenerationRequest) -> Scope:
@@ -58,14 +58,14 @@ class Turns:
         return template_flags.default_kwargs(source)
 
     def prepare(self, loaded: LoadedModel, req: GenerationRequest) -> GenerationRequest:
-        """`req` as it is rendered: default template kwargs under its own, and dropped
-        reasoning put back (on the tokenize thread)."""
+        """`req` made ready to render, in place (callers and tests know a request by its
+        identity): default template kwargs under its own, and dropped reasoning put back."""
         defaults = self.template_defaults(loaded)
-        kwargs = defaults | req.template_kwargs if defaults else req.template_kwargs
-        messages = req.messages
-        if messages is not None and req.use_cache:
-            messages = self.reasoning.restore(_scope(req), messages)
-        return replace(req, template_kwargs=kwargs, messages=messages)
+        if defaults:
+            req.template_kwargs = defaults | req.template_kwargs
+        if req.messages is not None and req.use_cache:
+            req.messages = self.reasoning.restore(_scope(req), req.messages)
+        return req
 
     def ended(self, loaded: LoadedModel, job: Job, result: GenerationResult) -> None:
         """A chat turn finished (on the MLX thread): the rest runs on the tokenize thread."""

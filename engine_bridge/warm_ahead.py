@@ -55,7 +55,7 @@ class WarmAheadStats:
     dropped: int = 0  # offers pushed out by newer sessions' or given up after retries
     over_budget: int = 0  # offers skipped for the token rate or RAM
     failed: int = 0
-    seconds: float = 0.0  # spent prefilling ahead
+    prefill_s: float = 0.0  # spent prefilling ahead
 
 
 @dataclass(slots=True)
@@ -132,8 +132,9 @@ class WarmAhead:
         return asdict(self._stats) | {
             "enabled": self.settings.enabled,
             "pending": self.pending,
+            "running": self._current is not None and not self._current.done(),
             "max_sessions": self.settings.max_sessions,
-            "tokens_per_minute": self.settings.tokens_per_minute,
+            "max_tokens_per_minute": self.settings.tokens_per_minute,
         }
 
     async def close(self) -> None:
@@ -230,7 +231,7 @@ class WarmAhead:
             done = stream.result
             prefilled = done.prefilled_tokens if done is not None else 0
             self._stats.tokens += prefilled
-            self._stats.seconds += time.perf_counter() - t0
+            self._stats.prefill_s += time.perf_counter() - t0
         self._stats.warmed += 1
         log.info(
             "warmed ahead %d tokens of %s for session %r in %.2fs: the next question's prefix "

@@ -151,10 +151,20 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """Local models first, then the upstream's, de-duplicated and marked by owner."""
+    """Local models first, then the upstream's, de-duplicated and marked by owner.
+
+    A local model's `settings` are what a request that sets none gets: its
+    [model."<pattern>"] settings, the engine's template defaults under their kwargs."""
     engine = request.app[ENGINE]
+    table = request.app[SETTINGS].model_settings
     local = [
-        {"id": m, "object": "model", "created": 0, "owned_by": LOCAL_OWNER}
+        {
+            "id": m,
+            "object": "model",
+            "created": 0,
+            "owned_by": LOCAL_OWNER,
+            "settings": table.resolve(m).effective(engine.template_defaults(m)),
+        }
         for m in engine.model_ids
     ]
     upstream = []

@@ -254,6 +254,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     if args.print_config:
         print(config_to_toml(config), end="")
+        print(_effective_model_settings(config), end="")
         return 0
     try:
         check_exposure(config)
@@ -306,6 +307,20 @@ def serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _effective_model_settings(config: Any) -> str:
+    """Comments after --print-config's TOML: what each served model's settings resolve to."""
+    from .config.tomltext import inline
+    from .doctor import served_settings
+
+    lines = [
+        "",
+        '# What each served model gets: its [model."<pattern>"] settings, over the template',
+        "# kwargs the engine sets by default (such as preserve_thinking):",
+    ]
+    lines += [f"# {inline(model_id)} = {inline(s)}" for model_id, s in served_settings(config)]
+    return "\n".join(lines) + "\n"
 
 
 async def _run(app: web.Application, host: str, port: int) -> None:

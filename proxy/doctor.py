@@ -19,12 +19,15 @@ import psutil
 
 from engine_bridge.models import discovery
 from engine_bridge.models.demo.specs import DEMO_MODEL_IDS, is_demo_model
-from engine_bridge.models.loading import ModelRef, resolve
+from engine_bridge.models.loading import ModelRef, chat_template_text, resolve
 from engine_bridge.models.preflight import gb, weights_bytes
 from engine_bridge.ops.blas import cpu_blas
+from engine_bridge.prompting.template_flags import default_kwargs
 from engine_bridge.types import EngineError
 
 from .config.model import Config
+from .config.model_settings import ModelSettingsTable, lmstudio_key
+from .config.tomltext import inline
 from .config.units import resolve_kv_memory, resolve_min_available, resolve_ram_budget
 from .upstream.lmstudio_rest import LmStudioError, LmStudioRest
 from .upstream.one_copy import same_model
@@ -69,12 +72,29 @@ def _model_row(spec: str, config: Config) -> tuple[dict[str, Any], ModelRef | No
     return _row(ref.id, ref.path, False), ref
 
 
+def _settings(table: ModelSettingsTable, row: dict[str, Any]) -> dict[str, Any]:
+    """A row's [model."<pattern>"] settings as the config resolves them, over the template
+    defaults the engine reads from the model's files (Engine.template_defaults)."""
+    path = Path(row["path"]) if row["path"] else None
+    key = lmstudio_key(path) if path is not None and not row["demo"] else row["id"]
+    defaults = default_kwargs(chat_template_text(path)) if path is not None else {}
+    return table.resolve(row["id"], key).effective(defaults)
+
+
+def served_settings(config: Config) -> list[tuple[str, dict[str, Any]]]:
+    """Each model `serve` would serve, with its settings from the config (serve --print-config)."""
+    table = ModelSettingsTable(config.model)
+    rows = [_model_row(spec, config)[0] for spec in _served_specs(config)]
+    return [(row["id"], _settings(table, row)) for row in rows]
+
+
 async def _server_health(url: str) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             async with session.get(url + "/health") as r:
                 body = orjson.loads(await r.read()) if r.status == 200 else None
+            settings = await _server_settings(session, url) if body else {}
     except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as exc:
         return {"url": url, "running": False, "error": str(exc) or type(exc).__name__}
     if not isinstance(body, dict) or body.get("status") != "ok":
@@ -85,6 +105,23 @@ async def _server_health(url: str) -> dict[str, Any]:
         "error": None,
         "models": [m for m in body.get("models", []) if isinstance(m, str)],
         "loaded": [m for m in body.get("loaded", []) if isinstance(m, str)],
+        "settings": settings,
+    }
+
+
+async def _server_settings(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    """The running server's effective settings per local model (GET /v1/models); {} when
+    it cannot say, and the config's are shown instead."""
+    try:
+        async with session.get(url + "/v1/models") as r:
+            data = orjson.loads(await r.read()).get("data") if r.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError, AttributeError):
+        return {}
+    entries = data if isinstance(data, list) else []
+    return {
+        e["id"]: e["settings"]
+        for e in entries
+        if isinstance(e, dict) and isinstance(e.get("settings"), dict)
     }
 
 
@@ -153,6 +190,9 @@ async def diagnose(config: Config) -> dict[str, Any]:
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     host = f"[{host}]" if ":" in host else host
     server = await _server_health(f"http://{host}:{config.server.port}")
+    table = ModelSettingsTable(config.model)
+    for r in rows:
+        r["settings"] = _settings(table, r)
     if server["running"]:
         configured = {r["id"] for r in rows}
         for model_id in server["models"]:
@@ -161,6 +201,8 @@ async def diagnose(config: Config) -> dict[str, Any]:
                 rows.append(_row(model_id, None, is_demo_model(model_id), note))
         for r in rows:
             r["loaded"] = r["id"] in server["loaded"]
+            # What the server applies: its config, and the engine's template defaults.
+            r["settings"] = server["settings"].get(r["id"], r.get("settings", {}))
             if r["id"] not in server["models"] and r["note"] is None:
                 r["note"] = "configured, but not served by the running server"
     else:
@@ -204,6 +246,8 @@ def render(report: dict[str, Any]) -> str:
             f"  {r['id']:{width}}  {loaded:10}  {_size(r['weights_bytes']):>8}  "
             f"{r['path'] or '-'}{extra}"
         )
+        if r["settings"]:
+            out.append(f"  {'':{width}}  settings {inline(r['settings'])}")
     out.append("")
     if not lms["enabled"]:
         out.append(f"LM Studio at {lms['url']}: upstream disabled ([upstream] enabled = false)")

@@ -20,6 +20,7 @@ from engine_bridge.types import (
 )
 
 from . import fields as f
+from .config.model_settings import SAMPLING_FIELDS
 from .dialects.output import Part
 from .errors import ApiError
 from .state import REQUEST_ID, SETTINGS
@@ -157,11 +158,65 @@ def speculative(request: web.Request) -> bool:
     return value != "off"
 
 
+# Where the OpenAI dialects' bodies name the output limit (chat and legacy completions).
+OPENAI_MAX_FIELDS = ("max_completion_tokens", "max_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class Given:
+    """The defaultable fields a body set itself; the model's settings fill only the rest."""
+
+    sampling: frozenset[str] = frozenset()
+    max_tokens: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        body: dict,
+        sampling: tuple[str, ...] = SAMPLING_FIELDS,
+        max_fields: tuple[str, ...] = OPENAI_MAX_FIELDS,
+    ) -> Given:
+        """`sampling` and `max_fields`: the names the dialect reads; null counts as unset,
+        as the field parsers read it."""
+        return cls(
+            frozenset(n for n in sampling if body.get(n) is not None),
+            any(body.get(n) is not None for n in max_fields),
+        )
+
+
+def apply_model_settings(req: GenerationRequest, request: web.Request, given: Given) -> bool:
+    """Fill what the body left unset from the model's `[model."<pattern>"]` settings; the
+    template kwargs go under the request's own. True when they chose max_tokens."""
+    settings = request.app[SETTINGS].model_settings.resolve(req.model)
+    for name in SAMPLING_FIELDS:
+        value = getattr(settings, name)
+        if value is not None and name not in given.sampling:
+            setattr(req.sampling, name, value)
+    if settings.chat_template_kwargs:
+        # The request's kwargs, reasoning_effort and Anthropic's thinking among them, win.
+        req.template_kwargs = {**settings.chat_template_kwargs, **req.template_kwargs}
+    if settings.max_tokens is None or given.max_tokens:
+        return False
+    req.max_tokens = settings.max_tokens
+    return True
+
+
 async def start(
-    engine: Engine, req: GenerationRequest, request: web.Request, raw: bool = False
+    engine: Engine,
+    req: GenerationRequest,
+    request: web.Request,
+    given: Given,
+    raw: bool = False,
 ) -> Generation:
-    """Validate and queue the request; returns once the cache lookup is done."""
+    """Fill in the model's settings, validate and queue the request; returns once the
+    cache lookup is done. `given`: what the body set itself."""
     req.request_id = request.get(REQUEST_ID, "")
+    if apply_model_settings(req, request, given):
+        # A configured limit is a default, not a demand: past the context it means "up to
+        # the context" (one the client sent is checked, and refused, by the engine).
+        await engine.load(req.model)
+        context = engine.model_info(req.model).context_length
+        req.max_tokens = min(req.max_tokens, context or req.max_tokens)
     req.speculative = speculative(request)
     if not req.session:
         req.session = conversation_id(req.messages)

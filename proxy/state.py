@@ -8,6 +8,8 @@ from aiohttp import web
 
 from engine_bridge.engine import Engine
 
+from .config.model_settings import ModelSettingsTable
+
 # Set on every request by the request-id middleware.
 REQUEST_ID = web.RequestKey("request_id", str)
 
@@ -19,6 +21,8 @@ class ProxySettings:
     tenant_header: str = "x-tenant"
     tenant_api_keys: dict[str, str] = field(default_factory=dict)
     default_tenant: str = "local"
+    # [model."<pattern>"]: defaults for what a request leaves unset (proxy/generation.py).
+    model_settings: ModelSettingsTable = field(default_factory=ModelSettingsTable)
 
 
 ENGINE = web.AppKey("engine", Engine)

@@ -9,12 +9,14 @@ import psutil
 
 from engine_bridge.cache.write_policy import resolve_write_policy
 from engine_bridge.engine import EngineSettings
+from engine_bridge.engine_settings import WarmAheadSettings
 from engine_bridge.prompt_cache import CachePolicy
 from engine_bridge.prompting.render import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from engine_bridge.scheduling.speculation.control import Mode, SpeculativeSettings
 from engine_bridge.vision.prompt import VisionLimits
 
 from .config.model import Config
+from .config.model_settings import ModelSettingsTable, lmstudio_key
 from .config.shared import shared_settings
 from .config.units import (
     parse_duration,
@@ -92,6 +94,13 @@ def engine_settings(config: Config) -> EngineSettings:
             cache.pin_max, resolve_ram_budget(cache.ram.budget, ram.available), "pin_max"
         ),
         alert_hit_ratio=cache.alert_hit_ratio,
+        reasoning_memo_bytes=parse_size(cache.reasoning_memo),
+        warm_ahead=WarmAheadSettings(
+            enabled=cache.warm_ahead.enabled and cache.enabled,
+            max_sessions=cache.warm_ahead.max_sessions,
+            tokens_per_minute=cache.warm_ahead.tokens_per_minute,
+            max_ram_share=cache.warm_ahead.max_ram_share,
+        ),
         vision_limits=VisionLimits(
             max_image_bytes=parse_size(config.vision.max_image_size),
             max_image_pixels=config.vision.max_image_pixels,
@@ -107,7 +116,20 @@ def proxy_settings(config: Config) -> ProxySettings:
         tenant_header=config.tenants.header,
         tenant_api_keys=dict(config.tenants.api_keys),
         default_tenant=config.tenants.default,
+        model_settings=model_settings(config),
     )
+
+
+def model_settings(config: Config) -> ModelSettingsTable:
+    """The [model."<pattern>"] sections, with the LM Studio key of each model served from
+    a folder outside LM Studio's (inside, its id is that key already)."""
+    keys = {}
+    for spec in config.models.serve:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            path = path.resolve()
+            keys[path.name] = lmstudio_key(path)  # the id the engine gives such a folder
+    return ModelSettingsTable(config.model, keys)
 
 
 def before_load_hook(config: Config) -> UnloadDuplicates | None:

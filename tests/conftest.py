@@ -18,6 +18,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_IDS = ("demo-llama", "demo-hybrid", "demo-swa")
+# Warming ahead prefills between requests whenever a template rewrote history, so a test's
+# next request would hit deeper than it predicts, by timing. Test servers run without it;
+# the tests of warming ahead pass WARM_AHEAD_ON.
+WARM_AHEAD_ENV = "MLX_PROMPT_CACHE_CACHE_WARM_AHEAD_ENABLED"
+WARM_AHEAD_ON = {WARM_AHEAD_ENV: "1"}
 
 
 def free_port() -> int:
@@ -90,7 +95,7 @@ def start_server(
         str(cache_dir),
         *args,
     ]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", WARM_AHEAD_ENV: "0", **(env or {})}
     log_file = log_path.open("w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
     server = Server(f"http://127.0.0.1:{port}", port, cache_dir, proc, log_path, list(args))

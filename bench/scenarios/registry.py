@@ -1,17 +1,19 @@
-"""The chat, agent, share and hybrid scenarios, and the registry of all of them.
+"""The chat, agent, agent-templates, share and hybrid scenarios, and the registry of all.
 
 Every server gets the same requests in the same order, one at a time, streaming and greedy.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from .. import traces
 from ..harness import Harness, Settings, chars_per_token, probe, stats
 from ..prerequisites import skip_reason
-from ..results import Row, ScenarioResult, mean, ratio, total
+from ..results import Row, Sample, ScenarioResult, mean, ratio, total
 from ..servers import KINDS, ModelSpec
 
 NEW_ONLY_NOTE = (
@@ -229,6 +231,149 @@ def hybrid(settings: Settings, model: ModelSpec) -> list[ScenarioResult]:
 
 Produced = ScenarioResult | list[ScenarioResult]
 
+AGENT_TEMPLATES_QUICK = ("qwen3_6.jinja", "qwen3_5.jinja")
+AGENT_TEMPLATES_FULL = (
+    *AGENT_TEMPLATES_QUICK,
+    "minimax_m2.jinja",
+    "gpt_oss_harmony.jinja",
+    "gemma4_31b_it.jinja",
+    "glm_4_7_flash.jinja",
+)
+AGENT_REPLAY_NOTE = (
+    "mlx_lm.server cannot be forced to write the markup (its logits processors are built "
+    "inside the server, with no hook): it is sent the very requests ours got in the "
+    "no-pause session (the same prompts, reasoning dropped) and writes what it writes; "
+    "its cache is reported as it is"
+)
+
+
+def agent_templates(settings: Settings, model: ModelSpec) -> list[ScenarioResult]:
+    """Agent sessions on real chat templates (bench/agent_session.py): the share of each
+    prompt the cache serves, and TTFT, per template."""
+    from engine_bridge.models.demo.real_templates import templates_dir
+
+    folder = templates_dir()
+    if not folder.is_dir():
+        reason = f"the real chat templates are not here: {folder.resolve()}"
+        return [ScenarioResult("agent-templates", "real templates", skipped=reason)]
+    root = settings.out / "work" / "agent-templates"
+    templates = settings.size(AGENT_TEMPLATES_QUICK, AGENT_TEMPLATES_FULL)
+    built = probe("families", str(root / "models"), *templates)["models"]
+    out = []
+    for m in built:
+        spec = ModelSpec(m["case"], Path(m["path"]), is_demo=False)
+        out.append(
+            guarded("agent-templates", spec, lambda m=m, spec=spec: _agent_case(settings, spec, m))
+        )
+    return out
+
+
+def _agent_case(settings: Settings, model: ModelSpec, case: dict) -> ScenarioResult:
+    from .. import agent_session as session
+
+    result = ScenarioResult("agent-templates", model.id)
+    plan = session.script(
+        case["template"], settings.seed,
+        system_chars=settings.size(16_000, 60_000),
+        result_chars=settings.size(300, 4_000),
+        reasoning_chars=settings.size(400, 1_500),
+    )  # fmt: skip
+    forced = settings.out / "work" / "agent-templates" / f"{model.id}-forced.json"
+    forced.write_text(json.dumps({"outputs": plan.forced()}))
+    env = {"MLX_PROMPT_CACHE_FORCE_OUTPUT": str(forced)}
+    played: dict[tuple[str, str], list[session.Record]] = {}
+    warm: dict = {}
+
+    def play(kind: str, label: str, server, **kw) -> None:
+        try:
+            recs = session.run_session(server.url, server.model_name, "openai", plan,
+                                       send_back_reasoning=False, session=label, **kw)  # fmt: skip
+        except Exception as e:  # a session that cannot go on: record why, keep the rest
+            result.errors.append(f"{server.label} {label}: {type(e).__name__}: {e}")
+            return
+        played[kind, label] = recs
+        _agent_samples(h, result, kind, label, recs)
+
+    with Harness(settings, result, model) as h:
+        # --no-cache first: its new questions' TTFT (a cold prefill) sizes the pause.
+        with h.serve("nocache", env) as server:
+            play("nocache", "no pause", server)
+        cold = {r.task: r.ttft_s or 0.0 for r in played.get(("nocache", "no pause"), [])
+                if r.step == 0}  # fmt: skip
+        with h.serve("ours", env) as server:
+            play("ours", "no pause", server)
+            play("ours", "pause", server, pause_s=lambda t: cold.get(t, 0.0))
+            warm = stats(server).get("warm_ahead") or {}
+        with h.serve("mlx_lm") as server:
+            ours = played.get(("ours", "no pause"), [])
+            recs = session.replay(server.url, server.model_name, ours, settings.max_tokens)
+            _agent_samples(h, result, "mlx_lm", "no pause", recs)
+    result.metrics |= {f"warm_ahead_{k}": v for k, v in warm.items() if isinstance(v, int | float)}
+    result.metrics["pause_s_mean"] = mean(v for t, v in cold.items() if t > 0)
+    _agent_rows(result, case)
+    return result.finish()
+
+
+def _agent_samples(h: Harness, result: ScenarioResult, kind: str, label: str, recs) -> None:
+    suffix = "" if label == "no pause" else "-paused"
+    for i, r in enumerate(recs):
+        sample = Sample(
+            server=kind, step=i, ttft_s=r.ttft_s, total_s=r.total_s,
+            prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+            completion_tokens=r.completion_tokens, source=None, ok=True,
+            label=r.kind + suffix, session=r.task, output=r.text,
+        )  # fmt: skip
+        result.samples.append(sample)
+        h.progress(f"{label} task {r.task + 1} step {r.step + 1}", kind, sample)
+
+
+def _agent_rows(result: ScenarioResult, case: dict) -> None:
+    def per(label: str, pick=lambda s: s.hit_ratio, later: bool = True) -> dict[str, float | None]:
+        # Questions 2..3: the first question of a session has no task before it.
+        return {k: mean(pick(s) for s in result.of(k, label) if not later or s.session > 0)
+                for k in KINDS if result.of(k, label)}  # fmt: skip
+
+    ttft = lambda s: s.ttft_s  # noqa: E731
+    q, q_paused = per("question"), per("question-paused")
+    result.rows.append(
+        Row(
+            "new question: share of its prompt from the cache, no pause",
+            q,
+            note=f"{case['template']}, OpenAI chat, reasoning dropped by the client; "
+            "questions 2 and 3 (each after a task of two tool steps)",
+        )  # fmt: skip
+    )
+    result.rows.append(
+        Row(
+            "new question after a pause as long as its cold prefill: share from the cache",
+            q_paused,
+            note="pause = the --no-cache server's TTFT of that question",
+        )  # fmt: skip
+    )
+    tools = per("tool", later=False)
+    result.rows.append(Row("tool step: share of its prompt from the cache (mean)", tools))
+    result.metrics["tool_share_min_ours"] = min(
+        (s.hit_ratio for s in result.of("ours", "tool") if s.hit_ratio is not None), default=None
+    )
+    for metric, values in (
+        ("new question: mean TTFT, no pause (s)", per("question", ttft)),
+        ("new question after the pause: mean TTFT (s)", per("question-paused", ttft)),
+        ("tool step: mean TTFT (s)", per("tool", ttft, later=False)),
+    ):
+        ratios = {
+            "no-cache / ours": ratio(values.get("nocache"), values.get("ours")),
+            "mlx_lm / ours": ratio(values.get("mlx_lm"), values.get("ours")),
+        }
+        result.rows.append(Row(metric, values, {k: v for k, v in ratios.items() if v}))
+    flag = case.get("flag")
+    result.notes.append(
+        f"{case['template']} keeps earlier reasoning with `{flag}`, which ours turns on by default"
+        if flag
+        else f"{case['template']} has no flag that keeps earlier reasoning: a new question "
+        "hits only if ours warmed its prefix ahead during the pause"
+    )
+    result.notes.append(AGENT_REPLAY_NOTE)
+
 
 def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
     from .concurrency import concurrency
@@ -242,6 +387,7 @@ def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
     return {
         "chat": chat,
         "agent": agent,
+        "agent-templates": agent_templates,
         "restart": restart,
         "share": share,
         "hybrid": hybrid,

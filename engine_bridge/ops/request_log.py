@@ -38,6 +38,7 @@ MissReason = Literal[
     "history_edited",
     "system_or_tools_changed",
     "template_changed",
+    "history_rewritten",
     "bypass",
     "partial",
 ]
@@ -82,6 +83,9 @@ class PromptSummary:
     messages: tuple[bytes, ...]  # a digest per message, as text
     head: bytes  # a digest of the leading system messages and the tools
     ends: tuple[int, ...]  # where its prompt ended and its generation (checkpoints)
+    # Assistant messages before the last user message: where templates that drop earlier
+    # reasoning (Qwen3.5/3.6, GLM-4.7, MiniMax, gpt-oss, Gemma 4) render other tokens.
+    past_turns: frozenset[int] = frozenset()
 
     def message_at(self, token: int) -> int:
         """The message holding `token` (0 before the first known start)."""
@@ -101,6 +105,8 @@ def summarize(req: GenerationRequest, prompt_tokens: Sequence[int], out: Sequenc
     for m in messages[:n_head]:
         head.update(_digest(m))
     head.update(repr(req.tools).encode())
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
+    past = frozenset(i for i, m in enumerate(messages[:last_user]) if m.role == "assistant")
     return PromptSummary(
         stored,
         tuple(message_starts),
@@ -108,6 +114,7 @@ def summarize(req: GenerationRequest, prompt_tokens: Sequence[int], out: Sequenc
         tuple(_digest(m) for m in messages),
         head.digest(),
         ends,
+        past,
     )
 
 
@@ -141,7 +148,11 @@ def classify(
     if cur.head != prev.head:
         return "system_or_tools_changed"
     if cur.messages[: len(prev.messages)] == prev.messages:
-        return "template_changed"  # the same text, other tokens
+        # The same text, other tokens: where a new question made an earlier turn a past one,
+        # the template dropped its reasoning.
+        if cur.message_at(reach) in cur.past_turns - prev.past_turns:
+            return "history_rewritten"
+        return "template_changed"
     return "history_edited"
 
 

@@ -30,7 +30,7 @@ from ..dialects import anthropic as anthropic_api
 from ..dialects import openai as openai_api
 from ..errors import ApiError, Dialect, api_error, error_response
 from ..fields import parse_json_object, read_body
-from ..generation import conversation_id, request_options
+from ..generation import Given, apply_model_settings, conversation_id, request_options
 from ..state import ENGINE, REQUEST_ID, SETTINGS
 
 DIALECTS = ("openai", "anthropic")
@@ -100,13 +100,16 @@ def choose_dialect(request: web.Request, body: dict[str, Any] | None) -> Dialect
 def parse_request(
     request: web.Request, body: dict[str, Any], dialect: Dialect
 ) -> GenerationRequest:
-    """The GenerationRequest the dialect's chat route would build from `body`."""
+    """The GenerationRequest the dialect's chat route would build from `body`, the
+    model's settings filled in (their template kwargs shape the prompt)."""
     if dialect == "anthropic":
         req = anthropic_api.messages_request(body, request)
+        given = anthropic_api.given(body)
     elif "messages" not in body and "prompt" in body:
-        req = openai_api.completion_request(body, request)
+        req, given = openai_api.completion_request(body, request), Given.of(body)
     else:
-        req = openai_api.chat_request(body, request)
+        req, given = openai_api.chat_request(body, request), Given.of(body)
+    apply_model_settings(req, request, given)
     req.request_id = request.get(REQUEST_ID, "")
     if not req.session:
         req.session = conversation_id(req.messages)

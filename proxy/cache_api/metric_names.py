@@ -38,7 +38,7 @@ Path = tuple[str, ...]
 
 LEVELS = frozenset({
     "running", "prefilling", "waiting", "largest_batch", "blocks", "checkpoints", "entries",
-    "queued", "held", "rewrites_pending", "feature_entries", "prepared_entries",
+    "queued", "held", "rewrites_pending", "feature_entries", "prepared_entries", "pending",
 })  # fmt: skip
 COUNTERS = frozenset({"evicted_bytes", "freed_bytes", "decode_s", "prefill_s"})
 LABELLED = {("requests", "by_source"): "source", ("shared", "errors"): "kind"}
@@ -56,6 +56,8 @@ SECTIONS = {
     "shared": "Shared store",
     "writes": "SSD writes",
     "vision": "Vision caches",
+    "warm_ahead": "Warming ahead (the next question's prefix, prefilled while idle)",
+    "reasoning_memo": "Reasoning kept per assistant turn, put back where clients drop it",
 }
 
 
@@ -252,6 +254,20 @@ DOCS: dict[Path, str] = {
     }),
     ("cache_enabled",): "1 unless the proxy runs with --no-cache",
     ("vision", "encoder_runs"): "Images the vision tower encoded (missed in every tier)",
+    **_section("warm_ahead", {
+        "offered": "Answers after which the next question's prefix was offered for warming",
+        "warmed": "Warm-ups that stored the next question's whole prefix",
+        "tokens": "Tokens prefilled ahead of the next question",
+        "already_cached": "Offers the cache held already (history only grew at its end)",
+        "preempted": "Warm-ups a request interrupted (offered again later)",
+        "dropped": "Offers pushed out by newer sessions or given up after retries",
+        "over_budget": "Offers skipped for the tokens-per-minute budget or the RAM share",
+        "pending": "Warm-ups waiting or running now",
+    }),
+    **_section("reasoning_memo", {
+        "restored": "Assistant turns a client sent without reasoning, given it back",
+        "remembered": "Turns whose generated reasoning was kept",
+    }),
 }  # fmt: skip
 
 

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from proxy.config import tomltext
-from proxy.config.model import Config, Rule
+from proxy.config.model import Config
 from proxy.config.schema import (
     ConfigError,
     build,
     leaves,
-    list_item,
+    one_line,
     parse_text,
     set_key,
     union_args,
@@ -55,8 +55,8 @@ def env_var_names() -> dict[str, str]:
     """Every environment variable load_config reads, mapped to its dotted config key."""
     names: dict[str, str] = {}
     for leaf in leaves(Config):
-        if list_item(leaf.tp) is Rule:
-            continue  # a list of tables has no sensible one-line spelling
+        if not one_line(leaf.tp):
+            continue  # a list or table of tables has no sensible one-line spelling
         name = _env_name(leaf.path)
         assert name not in names, f"env var {name} maps to {names[name]} and {leaf.path}"
         names[name] = ".".join(leaf.path)

@@ -12,8 +12,9 @@ upper-cased, dots turned into underscores::
     tenants.api_keys     -> MLX_PROMPT_CACHE_TENANTS_API_KEYS=sk-a=alice,sk-b=bob
 
 Booleans take 1/0, true/false, yes/no, on/off; lists are comma-separated; an optional
-value is cleared by an empty string or ``none``. ``normalization.rules`` is a list of
-tables and can only be set in the file. ``env_var_names()`` lists every variable.
+value is cleared by an empty string or ``none``. ``normalization.rules`` (a list of
+tables) and ``[model."<pattern>"]`` (a table of tables) can only be set in the file.
+``env_var_names()`` lists every variable.
 
 The sections live here; ``loader`` layers the sources, ``schema`` builds the sections
 from raw values and ``validate`` checks ranges and formats.
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proxy.config.model_settings import ModelSettings
 from proxy.config.shared import SharedCacheConfig
 
 
@@ -94,6 +96,20 @@ class EngineConfig:
 
 
 @dataclass(slots=True)
+class WarmAheadConfig:
+    # Templates that drop earlier reasoning with no flag to keep it (Qwen3.5, MiniMax M2,
+    # gpt-oss, Gemma 4, GLM-4.7 by default): when a turn ends with an answer, the next
+    # question's prefix is prefilled while no request runs; any request preempts it.
+    enabled: bool = True
+    # Sessions waiting to be warmed; the oldest offer is dropped beyond this.
+    max_sessions: int = 4
+    # Tokens prefilled ahead per minute, at most.
+    tokens_per_minute: int = 120_000
+    # The RAM tier's share one warm-up may fill.
+    max_ram_share: float = 0.5
+
+
+@dataclass(slots=True)
 class RamCacheConfig:
     # "20%" of available RAM, or a size: "8GB", "512MiB", 8000000000.
     budget: str | int = "20%"
@@ -141,6 +157,10 @@ class CacheConfig:
     # Warn (log, dashboard, GET /v1/cache/stats) when the hit ratio of the last 20 requests
     # that used the cache falls below this; 0 turns the alert off.
     alert_hit_ratio: float = 0.5
+    # The reasoning generated for each assistant turn, kept to put back where a client
+    # sends the turn without it (so the prompt is the previous one plus what was generated).
+    reasoning_memo: str | int = "16MB"
+    warm_ahead: WarmAheadConfig = field(default_factory=WarmAheadConfig)
     ram: RamCacheConfig = field(default_factory=RamCacheConfig)
     ssd: SsdCacheConfig = field(default_factory=SsdCacheConfig)
     shared: SharedCacheConfig = field(default_factory=SharedCacheConfig)
@@ -191,3 +211,6 @@ class Config:
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
     normalization: NormalizationConfig = field(default_factory=NormalizationConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
+    # [model."<pattern>"] sections: per-model sampling defaults and template kwargs,
+    # keyed by model id, LM Studio key or a glob over either (config/model_settings.py).
+    model: dict[str, ModelSettings] = field(default_factory=dict)

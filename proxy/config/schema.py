@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import re
 import types
 import typing
 from collections.abc import Iterator, Mapping
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.config.tomltext import Origins
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class ConfigError(ValueError):
@@ -60,6 +64,16 @@ def list_item(tp: Any) -> Any:
     return typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
 
 
+def table_item(tp: Any) -> Any:
+    """The value type of a `dict[str, V]` field; None for any other type."""
+    return typing.get_args(tp)[1] if typing.get_origin(tp) is dict else None
+
+
+def one_line(tp: Any) -> bool:
+    """Whether an env var or flag can spell the field: not a list or table of tables."""
+    return not (is_section(list_item(tp)) or is_section(table_item(tp)))
+
+
 def _type_name(tp: Any) -> str:
     names = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
     parts = []
@@ -70,7 +84,12 @@ def _type_name(tp: Any) -> str:
             item = list_item(arg)
             parts.append("an array of tables" if is_section(item) else "an array of strings")
         elif typing.get_origin(arg) is dict:
-            parts.append("a table of strings")
+            item = table_item(arg)
+            parts.append(
+                "a table of tables"
+                if is_section(item)
+                else ("a table of strings" if item is str else "a table")
+            )
         else:
             parts.append(names[arg])
     return " or ".join(parts)
@@ -94,12 +113,23 @@ def key_error(path: tuple[str | int, ...], origins: Origins, message: str) -> Co
 def _dotted(path: tuple[str | int, ...]) -> str:
     out = ""
     for part in path:
+        if isinstance(part, str) and not _BARE_KEY.fullmatch(part):
+            part = json.dumps(part, ensure_ascii=False)  # a [model."<pattern>"] key
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
     return out
 
 
 def _coerce(value: Any, tp: Any, path: tuple[str | int, ...], origins: Origins) -> Any:
     """Check a raw TOML/flag value against a field type; ints widen to float, nothing else."""
+    if is_section(table_item(tp)):
+        if not isinstance(value, dict):
+            raise key_error(path, origins, f"expected {_type_name(tp)}, got {_describe(value)}")
+        out = {}
+        for key, item in value.items():
+            if not isinstance(item, dict):
+                raise key_error((*path, key), origins, f"expected a table, got {_describe(item)}")
+            out[key] = build(table_item(tp), item, (*path, key), origins)
+        return out
     if list_item(tp) is not None and is_section(list_item(tp)):
         if not isinstance(value, list):
             raise key_error(path, origins, f"expected {_type_name(tp)}, got {_describe(value)}")
@@ -117,7 +147,9 @@ def _coerce(value: Any, tp: Any, path: tuple[str | int, ...], origins: Origins) 
             if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
                 return list(value)
         elif typing.get_origin(arg) is dict:
-            if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+            if isinstance(value, dict) and (
+                table_item(arg) is not str or all(isinstance(v, str) for v in value.values())
+            ):
                 return dict(value)
         elif arg is bool:
             if isinstance(value, bool):

@@ -80,6 +80,11 @@ def _toml_key(key: str) -> str:
     return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_string(key)
 
 
+def inline(value: Any) -> str:
+    """A value as TOML writes it inline: a string, number, array or `{ k = v }` table."""
+    return _toml_value(value)
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -103,9 +108,10 @@ def _toml_value(value: Any) -> str:
 
 def dumps(obj: Any) -> str:
     """A dataclass tree as TOML: nested dataclasses and dicts become tables, lists of
-    dataclasses arrays of tables.
+    dataclasses arrays of tables, dicts of dataclasses tables of tables.
 
-    Unset optional keys (None) are written as comments, since TOML has no null.
+    Unset optional keys (None) are written as comments, since TOML has no null; in a
+    table of tables they are left out.
     """
     out: list[str] = []
 
@@ -132,8 +138,12 @@ def dumps(obj: Any) -> str:
                 out.append(f"{name} = {_toml_value(value)}")
         for name, value in tables:
             sub = (*path, name)
-            dotted = ".".join(sub)
-            if isinstance(value, dict):
+            dotted = ".".join(_toml_key(p) for p in sub)
+            if value and isinstance(value, dict) and dataclasses.is_dataclass(_first(value)):
+                for key, item in value.items():  # a table of tables: [model."<pattern>"]
+                    out.extend(("", f"[{dotted}.{_toml_key(key)}]"))
+                    out.extend(_set_keys(item))
+            elif isinstance(value, dict):
                 out.append("")
                 out.append(f"[{dotted}]")
                 out.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items())
@@ -145,6 +155,19 @@ def dumps(obj: Any) -> str:
 
     section(obj, (), "")
     return "\n".join(out).lstrip("\n") + "\n"
+
+
+def _first(table: dict[str, Any]) -> Any:
+    return next(iter(table.values()))
+
+
+def _set_keys(obj: Any) -> list[str]:
+    # A table of tables is a few overrides each: only the keys set, their tables inline.
+    return [
+        f"{f.name} = {_toml_value(value)}"
+        for f in dataclasses.fields(obj)
+        if (value := getattr(obj, f.name)) is not None and value != {}
+    ]
 
 
 class Origins:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine_bridge.cache.write_policy import resolve_write_policy
 from engine_bridge.scheduling.speculation.control import Mode
+from proxy.config.model_settings import validate_model_settings
 from proxy.config.schema import key_error
 from proxy.config.shared import validate_shared
 from proxy.config.tomltext import Origins
@@ -106,6 +107,12 @@ def validate(config: Config, origins: Origins) -> None:
         0 <= c.alert_hit_ratio <= 1,
         f"must be from 0 (off) to 1, got {c.alert_hit_ratio}",
     )
+    parses("cache.reasoning_memo", parse_size, c.reasoning_memo)
+    w = c.warm_ahead
+    check("cache.warm_ahead.max_sessions", w.max_sessions >= 1, "must be 1 or more")
+    check("cache.warm_ahead.tokens_per_minute", w.tokens_per_minute >= 0, "must be 0 or more")
+    check("cache.warm_ahead.max_ram_share", 0 < w.max_ram_share <= 1,
+          f"must be above 0 and at most 1, got {w.max_ram_share}")  # fmt: skip
     parses("cache.ram.budget", lambda v: resolve_ram_budget(v, 0), c.ram.budget)
     if c.ram.min_available != "off":
         parses(
@@ -143,3 +150,4 @@ def validate(config: Config, origins: Origins) -> None:
         for role in rule.roles:
             if role not in MESSAGE_ROLES:
                 raise key_error((*path, "roles"), origins, f"unknown role {role!r}")
+    validate_model_settings(config.model, origins)

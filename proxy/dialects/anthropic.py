@@ -21,7 +21,7 @@ from engine_bridge.types import (
 
 from .. import fields as f
 from ..errors import ApiError
-from ..generation import Generation, request_options, session_id, start
+from ..generation import Generation, Given, apply_model_settings, request_options, session_id, start
 from ..state import ENGINE
 from . import images
 from .output import Part, merge
@@ -29,6 +29,23 @@ from .sse import SSEWriter
 
 # Tool types Anthropic runs server-side (web search, …); a local model cannot call them.
 _CUSTOM_TOOL_TYPES = {None, "custom"}
+# The sampling fields Messages has; [model."…"] settings fill the others, and max_tokens is
+# required, so a configured one never applies.
+SAMPLING = ("temperature", "top_p", "top_k")
+
+
+def given(body: dict) -> Given:
+    """What the body set of the fields a model's settings could fill."""
+    return Given.of(body, SAMPLING, ("max_tokens",))
+
+
+def thinking_kwargs(body: dict) -> dict[str, Any]:
+    """`thinking` as the template's enable_thinking; "adaptive" (Claude Code's default)
+    lets the model decide, so it allows thinking."""
+    thinking = f.get_dict(body, "thinking")
+    if thinking is None:
+        return {}
+    return {"enable_thinking": thinking.get("type") in ("enabled", "adaptive")}
 
 
 def _block_text(block: Any, where: str) -> str:
@@ -257,11 +274,6 @@ def messages_request(body: dict, request: web.Request) -> GenerationRequest:
         raise ApiError(400, "max_tokens: field required", param="max_tokens")
     metadata = f.get_dict(body, "metadata") or {}
     user_id = f.get_str(metadata, "user_id", None, where="metadata.user_id")
-    thinking = f.get_dict(body, "thinking")
-    kwargs: dict[str, Any] = {}
-    if thinking is not None:
-        # "adaptive" (Claude Code's default) lets the model decide: allow thinking.
-        kwargs["enable_thinking"] = thinking.get("type") in ("enabled", "adaptive")
     tenant, use_cache = request_options(request)
     tools = parse_tools(body)
     return GenerationRequest(
@@ -278,7 +290,7 @@ def messages_request(body: dict, request: web.Request) -> GenerationRequest:
         ),
         tenant=tenant,
         use_cache=use_cache,
-        template_kwargs=kwargs,
+        template_kwargs=thinking_kwargs(body),
         session=session_id(request, user_id),
     )
 
@@ -325,7 +337,7 @@ def block_json(p: Part) -> dict[str, Any]:
 async def messages(request: web.Request, body: dict) -> web.StreamResponse:
     req = messages_request(body, request)
     stream = f.get_bool(body, "stream")
-    gen = await start(request.app[ENGINE], req, request)
+    gen = await start(request.app[ENGINE], req, request, given(body))
     mid = "msg_" + uuid.uuid4().hex[:24]
     if not stream:
         try:
@@ -458,6 +470,12 @@ async def messages(request: web.Request, body: dict) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request, body: dict) -> web.Response:
     model = f.get_str(body, "model", nonempty=True)
-    req = GenerationRequest(model=model, messages=build_messages(body), tools=parse_tools(body))
+    req = GenerationRequest(
+        model=model,
+        messages=build_messages(body),
+        tools=parse_tools(body),
+        template_kwargs=thinking_kwargs(body),
+    )
+    apply_model_settings(req, request, given(body))  # its template kwargs shape the prompt
     n = await request.app[ENGINE].count_tokens(req)
     return web.json_response({"input_tokens": n})

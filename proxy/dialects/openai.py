@@ -21,7 +21,7 @@ from engine_bridge.types import (
 
 from .. import fields as f
 from ..errors import ApiError
-from ..generation import Generation, request_options, session_id, start
+from ..generation import Generation, Given, request_options, session_id, start
 from ..state import ENGINE
 from . import images
 from .output import Part, merge
@@ -125,6 +125,8 @@ def parse_messages(body: dict) -> list[Message]:
             content, parts = text_of(m.get("content"), f"{where}.content"), None
         if role == "assistant":
             reasoning = m.get("reasoning_content")
+            if not isinstance(reasoning, str):  # `reasoning`: the newer name some clients send
+                reasoning = m.get("reasoning")
             calls = m.get("tool_calls")
             if calls is not None and not isinstance(calls, list):
                 raise ApiError(400, f"{where}.tool_calls: expected an array", param="messages")
@@ -351,7 +353,7 @@ async def chat_completions(
     req = chat_request(body, request)
     stream = f.get_bool(body, "stream")
     options = f.get_dict(body, "stream_options", {}) or {}
-    gen = await start(request.app[ENGINE], req, request)
+    gen = await start(request.app[ENGINE], req, request, Given.of(body))
     rid = "chatcmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
     if not stream:
@@ -362,10 +364,8 @@ async def chat_completions(
         text = "".join(p.text for p in parts if p.kind == "text")
         reasoning = "".join(p.text for p in parts if p.kind == "reasoning")
         calls = [tool_call_json(p) for p in parts if p.kind == "tool_call"]
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": text if text or not calls else None,
-        }
+        content = text if text or not calls else None
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning:
             message["reasoning_content"] = reasoning
         if calls:
@@ -443,7 +443,7 @@ async def completions(
     req = completion_request(body, request)
     stream = f.get_bool(body, "stream")
     options = f.get_dict(body, "stream_options", {}) or {}
-    gen = await start(request.app[ENGINE], req, request, raw=True)
+    gen = await start(request.app[ENGINE], req, request, Given.of(body), raw=True)
     rid = "cmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
 

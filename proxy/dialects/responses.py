@@ -24,7 +24,7 @@ from engine_bridge.types import EngineError, GenerationRequest
 
 from .. import fields as f
 from ..errors import ApiError, api_error
-from ..generation import Generation, bounded_id, request_options, session_id, start
+from ..generation import Generation, Given, bounded_id, request_options, session_id, start
 from ..state import ENGINE
 from .openai import parse_sampling, thinking_for_effort
 from .responses_items import (
@@ -96,6 +96,7 @@ class Plan:
     store: bool
     echo: dict[str, Any]
     max_field: str | None  # the field max_tokens came from; None: the default
+    given: Given  # what the body set, which the model's settings leave alone
 
 
 def session_of(request: web.Request, body: dict) -> str:
@@ -175,14 +176,13 @@ def build(request: web.Request, body: dict) -> Plan:
     )
     max_tokens = f.get_int(body, max_field, lo=1) if max_field else DEFAULT_MAX_OUTPUT
     store = f.get_bool(body, "store", True)
-    sampling = parse_sampling(body)
     req = GenerationRequest(
         model=model,
         messages=messages,
         tools=tools.template or None,
         tool_choice=tool_choice,
         max_tokens=max_tokens,
-        sampling=sampling,
+        sampling=parse_sampling(body),
         tenant=tenant,
         use_cache=use_cache,
         template_kwargs=kwargs,
@@ -197,15 +197,14 @@ def build(request: web.Request, body: dict) -> Plan:
         "prompt_cache_key": f.get_str(body, "prompt_cache_key", None),
         "reasoning": reasoning,
         "store": store,
-        "temperature": sampling.temperature,
         "text": f.get_dict(body, "text", {"format": {"type": "text"}}),
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [],
-        "top_p": sampling.top_p,
         "truncation": "disabled",
         "user": f.get_str(body, "user", None),
     }
-    return Plan(req, tools, items, f.get_bool(body, "stream"), store, echo, max_field)
+    given = Given.of(body, max_fields=("max_output_tokens", "max_tokens"))
+    return Plan(req, tools, items, f.get_bool(body, "stream"), store, echo, max_field, given)
 
 
 class Answer:
@@ -217,6 +216,8 @@ class Answer:
         self.created = int(time.time())
 
     def json(self, status: str, output: list, **extra: Any) -> dict[str, Any]:
+        # Sampling as the request ran: a model's [model."…"] settings may have filled it.
+        sampling = self.plan.req.sampling
         return {
             "id": self.id,
             "object": "response",
@@ -228,6 +229,8 @@ class Answer:
             "output": output,
             "usage": None,
             **self.plan.echo,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
             **extra,
         }
 
@@ -252,7 +255,7 @@ async def _start(request: web.Request, plan: Plan) -> Generation:
         context = engine.model_info(plan.req.model).context_length
         plan.req.max_tokens = min(DEFAULT_MAX_OUTPUT, context or DEFAULT_MAX_OUTPUT)
     try:
-        return await start(engine, plan.req, request)
+        return await start(engine, plan.req, request, plan.given)
     except EngineError as e:
         # The engine names the neutral request's fields; the client sent these.
         renamed = {"max_tokens": plan.max_field or "max_output_tokens", "messages": "input"}

@@ -41,8 +41,19 @@ CACHE_SOURCES = ["ram", "ssd", "shared", "none"]
 
 
 def _other_schemas(model_ids: Sequence[str]) -> dict[str, Schema]:
+    settings = {
+        "description": "a local model's effective defaults: its [model] settings that are "
+        "set, and chat_template_kwargs with the engine's template defaults under them",
+        **ANY_OBJECT,
+    }
     model_entry = obj(
-        {"id": STRING, "object": {"const": "model"}, "created": INT, "owned_by": STRING},
+        {
+            "id": STRING,
+            "object": {"const": "model"},
+            "created": INT,
+            "owned_by": STRING,
+            "settings": settings,
+        },
         ["id", "object"],
     )
     return {

@@ -50,6 +50,7 @@ def schemas() -> dict[str, Schema]:
             "content": content,
             "name": STRING,
             "reasoning_content": nullable(STRING),
+            "reasoning": nullable(STRING),
             "tool_calls": nullable({"type": "array", "items": tool_call}),
             "tool_call_id": nullable(STRING),
         },

@@ -210,9 +210,10 @@ def test_each_request_gets_the_reason_it_hit_or_missed(inspect_server):
     ]
 
 
-def test_a_history_the_template_renders_differently_is_template_changed(inspect_server):
+def test_a_history_the_template_rewrites_at_a_new_question_is_named(inspect_server):
     """The demo template keeps reasoning only after the last user message: once a new user
-    message follows, an earlier turn's reasoning is dropped: the same messages, other tokens."""
+    message follows, an earlier turn's reasoning is dropped: the same messages, other tokens,
+    named as the template's rewrite of history (what warming ahead is for)."""
     tenant, session = new_tenant(), f"s-{uuid.uuid4().hex[:8]}"
     client = oai(inspect_server, tenant)
     call = {"id": "call_1", "type": "function"}
@@ -232,7 +233,7 @@ def test_a_history_the_template_renders_differently_is_template_changed(inspect_
     later = [*agent, {"role": "assistant", "content": "Region, month, currency."}, FOLLOW_UP]
     _, headers = ask(client, later, session=session, rid="t-2", tools=[TOOL])
     record = recent(inspect_server, tenant, limit=1)["requests"][0]
-    assert record["reason"] == "template_changed"
+    assert record["reason"] == "history_rewritten"
     assert record["diverged_message"] == 2 and int(headers[DIVERGED]) == record["diverged_at"]
     # The cache holds the turn with its reasoning; this prompt renders it without.
     assert record["before"].endswith("assistant\n") and record["after"].startswith("Let me look")

@@ -16,6 +16,7 @@ import pytest
 from proxy.config import loader as config_module
 from proxy.config.loader import config_to_toml, env_var_names, load_config
 from proxy.config.model import Config, Rule
+from proxy.config.model_settings import ModelSettings
 from proxy.config.schema import ConfigError
 from proxy.config.tomltext import key_lines
 
@@ -342,6 +343,8 @@ def test_example_file_equals_defaults_and_covers_every_key():
     keys = key_lines(uncomment_settings(example.read_text()))
     expected = [tuple(dotted.split(".")) for dotted in env_var_names().values()]
     expected += [("normalization", "rules", 0, name) for name in Rule.__dataclass_fields__]
+    qwen = "lmstudio-community/Qwen3.6-35B-A3B-MLX-4bit"
+    expected += [("model", qwen, name) for name in ModelSettings.__dataclass_fields__]
     missing = [path for path in expected if path not in keys]
     assert missing == []
 
@@ -364,6 +367,7 @@ def test_example_file_optional_settings_are_valid_when_uncommented(tmp_path):
     ]
     rule = re.compile(config.normalization.rules[0].pattern)
     assert rule.sub("X", "Today's date is 2026-11-29.") == "X"
+    assert config.model["demo-*"] == ModelSettings(temperature=0.0)
 
 
 # ---------------------------------------------------------------------------------------

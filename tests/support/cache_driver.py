@@ -20,6 +20,7 @@ from engine_bridge.cache.write_policy import SPARSE_PERIODIC_EVERY
 from engine_bridge.engine import Engine, EngineSettings
 from engine_bridge.scheduling.jobs import Job
 from engine_bridge.types import GenerationRequest, GenerationResult, Message, Sampling
+from engine_bridge.warm_ahead import WarmAheadSettings
 
 MAX_TOKENS = 16
 
@@ -49,6 +50,7 @@ class Driver:
         models: list[str],
         ram_budget_bytes: int = 1 << 30,
         ssd_enabled: bool = True,
+        warm_ahead: bool = False,
     ):
         self.loop = asyncio.Runner()
         self.engine = Engine(
@@ -57,6 +59,8 @@ class Driver:
                 model_specs=list(models),
                 ram_budget_bytes=ram_budget_bytes,
                 ssd_enabled=ssd_enabled,
+                # Off, so each request's hit is what the test predicts (tests/conftest.py).
+                warm_ahead=WarmAheadSettings(enabled=warm_ahead),
             )
         )
         self._bypass: dict[str, Outcome] = {}

@@ -21,6 +21,7 @@
     history_edited: "history edited",
     system_or_tools_changed: "system or tools changed",
     template_changed: "template changed",
+    history_rewritten: "history rewritten by the template",
     bypass: "bypass",
     partial: "partial hit",
   };
@@ -170,6 +171,12 @@
       ? `speculative: ${count(sched.spec_accepted)} of ${count(sched.spec_drafted)} drafts ` +
         `kept (${pct(sched.spec_acceptance)})`
       : "no speculative drafts yet";
+    const warm = s.warm_ahead || {};
+    $("warmed").textContent = warm.enabled ? `${count(warm.tokens)} tokens` : "off";
+    $("warmed-detail").textContent = warm.enabled
+      ? `next questions' prefixes: ${count(warm.warmed)} warmed, ` +
+        `${count(warm.already_cached)} already cached, ${count(warm.preempted)} preempted`
+      : "[cache.warm_ahead] enabled = false";
     tier("ram", s.ram && s.ram.bytes, s.ram && s.ram.budget_bytes, "budget",
       s.ram ? `${count(s.ram.blocks)} blocks, ${count(s.ram.checkpoints)} checkpoints` : "");
     if (s.ssd) {
