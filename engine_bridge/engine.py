@@ -189,6 +189,7 @@ class Engine:
         plan = self.preflight.check(ref)
         unloaded: list[str] = []
         if not plan.fits:
+            await self.warm_ahead.stop_current()  # it holds its model busy
             unloaded = await self.unload_idle(0.0, keep=ref.id)
             if unloaded:
                 plan = self.preflight.check(ref)
@@ -209,7 +210,7 @@ class Engine:
 
     def _on_done(self, loaded: models.LoadedModel, seq, result: GenerationResult) -> None:
         self.request_log.on_done(seq, result)
-        self.turns.ended(loaded, seq.job, result)
+        self.turns.ended(loaded, seq.job, result, seq.out)
 
     async def unload_idle(self, idle_s: float, keep: str | None = None) -> list[str]:
         """Unload models unused for `idle_s` seconds, but `keep` (loading, its lock held);
@@ -426,6 +427,8 @@ class Engine:
         return int(self.tiers.ram.budget_bytes * share / per_token)
 
     async def probe_prompt(self, req: GenerationRequest, prompt: RenderedPrompt) -> ProbeResult:
+        if self.loaded(req.model) is None:
+            raise EngineError(f"{req.model} is not loaded", status=409)
         _, job = await self._prepare(req, prompt)
         return await cache_probe.probe(req, job, self.model_cache(req.model), self._on_mlx)
 

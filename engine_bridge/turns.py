@@ -14,7 +14,7 @@ import concurrent.futures
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .prompting import next_turn, template_flags
+from .prompting import next_turn, reasoning_layout, template_flags
 from .prompting.reasoning_memo import ReasoningMemo, Scope
 from .scheduling.output_rules import call_marker_is_token
 from .types import GenerationRequest, GenerationResult
@@ -30,6 +30,8 @@ log = logging.getLogger("engine_bridge.turns")
 # Turns that end this way leave an answer a client shows and a question may follow (one cut
 # off by max_tokens too); a cancelled one was not read.
 _ANSWERED = ("stop", "stop_string", "length")
+# Turns whose reasoning layout no way renders back before a model is left as sent.
+_LAYOUT_TRIES = 3
 
 
 def _scope(req: GenerationRequest) -> Scope:
@@ -50,6 +52,10 @@ class Turns:
         # reasoning is remembered before the next request of its session is rendered.
         self._pool = pool
         self.loop: asyncio.AbstractEventLoop | None = None
+        # Per model (fingerprint): how its template wants reasoning sent back, once a turn
+        # showed it (reasoning_layout.py), and how many turns failed to show it.
+        self._edges: dict[str, str] = {}
+        self._edge_tries: dict[str, int] = {}
 
     @staticmethod
     def template_defaults(loaded: LoadedModel) -> dict[str, Any]:
@@ -65,18 +71,26 @@ class Turns:
             req.template_kwargs = defaults | req.template_kwargs
         if req.messages is not None and req.use_cache:
             req.messages = self.reasoning.restore(_scope(req), req.messages)
+            edge = self._edges.get(loaded.fingerprint)
+            if edge is not None:
+                req.messages = reasoning_layout.send_back(edge, req.messages)
         return req
 
-    def ended(self, loaded: LoadedModel, job: Job, result: GenerationResult) -> None:
-        """A chat turn finished (on the MLX thread): the rest runs on the tokenize thread."""
+    def ended(
+        self, loaded: LoadedModel, job: Job, result: GenerationResult, out: list[int]
+    ) -> None:
+        """A chat turn finished (on the MLX thread) with tokens `out`: the rest runs on the
+        tokenize thread."""
         req = job.request
         if req.messages is None or req.prefill_only or not req.use_cache:
             return
-        if not self.settings.cache_enabled or self.loop is None:
+        if not self.settings.cache_enabled or self.loop is None or self.warm_ahead.closed:
             return
-        self._pool.submit(self._follow_up, loaded, job, result)
+        self._pool.submit(self._follow_up, loaded, job, result, list(out))
 
-    def _follow_up(self, loaded: LoadedModel, job: Job, result: GenerationResult) -> None:
+    def _follow_up(
+        self, loaded: LoadedModel, job: Job, result: GenerationResult, out: list[int]
+    ) -> None:
         req = job.request
         try:
             choice = req.tool_choice
@@ -89,6 +103,7 @@ class Turns:
                 choice.parallel,
             )
             self.reasoning.remember(_scope(req), reply.content, reply.calls, reply.reasoning)
+            self._learn_layout(loaded, job, reply.message(), out)
             if reply.calls or result.finish_reason not in _ANSWERED:
                 return  # a tool result comes next, which no template rewrites history for
             if not self.warm_ahead.settings.enabled:
@@ -113,6 +128,33 @@ class Turns:
         offer = WarmOffer(req.model, req.tenant, req.session, prefix, lane=_lane(req))
         assert self.loop is not None
         self.loop.call_soon_threadsafe(self.warm_ahead.offer, offer)
+
+    def _learn_layout(self, loaded: LoadedModel, job: Job, reply, out: list[int]) -> None:
+        """Once per model: which layout of a turn's reasoning renders what it generated."""
+        key = loaded.fingerprint
+        if key in self._edges or not reasoning_layout.has_edges(reply.reasoning):
+            return
+        if self._edge_tries.get(key, 0) >= _LAYOUT_TRIES or job.prompt.vision is not None:
+            return
+        req = job.request
+        written = [*job.prompt.tokens, *out[:-1]]  # the stop token is the template's to write
+        edge = reasoning_layout.learn(
+            loaded.tokenizer,
+            req.messages or [],
+            reply,
+            written,
+            req.tools,
+            req.template_kwargs,
+            self.settings.normalization,
+        )
+        if edge is None:
+            self._edge_tries[key] = self._edge_tries.get(key, 0) + 1
+            log.info("%s: no layout of a turn's reasoning renders what the model wrote", loaded.id)
+            return
+        self._edges[key] = edge
+        if edge != "as_sent":
+            log.info("%s: reasoning goes back to its template %s of newlines", loaded.id,
+                     {"strip": "stripped", "lstrip": "left-stripped", "rstrip": "right-stripped"}[edge])  # fmt: skip
 
 
 def rendered_tools(loaded: LoadedModel, req: GenerationRequest) -> list | None:

@@ -101,12 +101,13 @@ class WarmAhead:
         self._bucket = float(settings.tokens_per_minute)
         self._bucket_at = time.monotonic()
         self._seq = 0
+        self.closed = False
 
     # -- event-loop side -------------------------------------------------------------------
 
     def offer(self, offer: WarmOffer) -> None:
         """A session's next-question prefix; replaces that session's earlier offer."""
-        if not self.settings.enabled:
+        if not self.settings.enabled or self.closed:
             return
         key = offer.key
         self._stats.offered += 1
@@ -124,6 +125,13 @@ class WarmAhead:
         if task is not None and not task.done():
             task.cancel()
 
+    async def stop_current(self) -> None:
+        """Preempt, and wait until the warm-up let go of its model (before an unload)."""
+        task = self._current
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+
     @property
     def pending(self) -> int:
         return len(self._offers) + (self._current is not None and not self._current.done())
@@ -138,6 +146,7 @@ class WarmAhead:
         }
 
     async def close(self) -> None:
+        self.closed = True
         self._offers.clear()
         for task in (self._current, self._worker):
             if task is not None:
@@ -203,9 +212,9 @@ class WarmAhead:
         )
         try:
             probe = await self.engine.probe_prompt(req, offer.prompt)
-        except EngineError as e:
+        except EngineError as e:  # the model was unloaded since: never load one for this
             log.info("not warming ahead for session %r: %s", offer.session, e.message)
-            self._stats.failed += 1
+            self._stats.dropped += 1
             return
         new = probe.recompute_tokens - 1  # the last token is the question's to prefill
         if new < self.settings.min_tokens:

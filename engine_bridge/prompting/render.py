@@ -127,6 +127,19 @@ def render_chat(
     return RenderedPrompt(tokens, text, starts, index, reply_opens_at=opens)
 
 
+def render_tokens(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    rules: Sequence[NormalizationRule] = (),
+) -> list[int]:
+    """The prompt's token ids alone, as `render_chat` makes them (no message starts)."""
+    chat = [m.to_template() for m in normalize_messages(messages, rules)]
+    text = _apply_template(tokenizer, chat, tools, True, dict(template_kwargs or {}))
+    return _encode_with_offsets(tokenizer, text)[0]
+
+
 def _reply_opens_at(tokenizer: Any, text: str, ends: list[int]) -> int | None:
     """The token where a generation prompt that ends inside an opened reasoning block opens it."""
     think = getattr(tokenizer, "think_start", None)

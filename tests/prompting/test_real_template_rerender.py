@@ -17,6 +17,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer_dir
 
 from engine_bridge.models.demo import families, real_templates
+from engine_bridge.prompting import reasoning_layout
 from engine_bridge.prompting.output_format import OutputFormat
 from engine_bridge.prompting.render import render_chat
 from engine_bridge.types import Message
@@ -165,6 +166,45 @@ def test_a_tool_step_rerendered_from_the_parsed_calls_reuses_all_the_model_wrote
     stop = following.tokens[len(generated)]
     assert stop in {tok.convert_tokens_to_ids(t) for t in fam.eos}
     assert after.startswith(tok.convert_ids_to_tokens(stop))
+
+
+# What learning the reasoning's layout (engine_bridge/prompting/reasoning_layout.py) fixes:
+# the newline differences; the rest are in the templates, mlx-lm or transformers.
+LAYOUT_FIXES = ("gemma4_31b_it.jinja", "gemma4_31b_it_interleaved.jinja", "minimax_m2.jinja")
+
+
+@pytest.mark.parametrize(
+    ("family", "template"),
+    [
+        pytest.param(
+            f,
+            t,
+            id=t.removesuffix(".jinja"),
+            marks=[pytest.mark.xfail(strict=True, reason=RERENDER_DIFFERS[t])]
+            if t in RERENDER_DIFFERS and t not in LAYOUT_FIXES
+            else [],
+        )
+        for f, t in PAIRS
+    ],
+)
+def test_with_the_learned_reasoning_layout_a_tool_step_reuses_all_the_model_wrote(
+    built, family, template
+):
+    """As the engine does after a turn: it finds which layout of the reasoning renders the
+    generated tokens, and sends every later turn of the model to its template that way."""
+    fam, tok = built(family, template)
+    prompt = render_chat(tok, BASE, families.TOOLS)
+    answer = _as_the_client_sends_it_back(tok, prompt.text, fam.one_call.text)
+    generated = prompt.tokens + tok.encode(fam.one_call.text, add_special_tokens=False)
+    edge = "as_sent"
+    if reasoning_layout.has_edges(answer.reasoning):
+        edge = reasoning_layout.learn(tok, BASE, answer, generated, families.TOOLS, {})
+        assert edge is not None
+    assert (edge != "as_sent") is (template in LAYOUT_FIXES)
+    results = [Message("tool", "result", tool_call_id=c.id) for c in answer.tool_calls]
+    sent = reasoning_layout.send_back(edge, [*BASE, answer, *results])
+    following = render_chat(tok, sent, families.TOOLS)
+    assert following.tokens[: len(generated)] == generated
 
 
 def test_the_templates_folder_is_the_shared_one_beside_the_repository():
