@@ -173,7 +173,8 @@ def _agent_templates(plt, path: Path, results: list[ScenarioResult]):
         for kind, suffix, style, what in lines:
             samples = sorted(r.of(kind, "question" + suffix) + r.of(kind, "tool" + suffix),
                              key=lambda s: s.step)  # fmt: skip
-            pts = [(s.step + 1, s.hit_ratio) for s in samples if s.hit_ratio is not None]
+            # From request 2: the first question has nothing before it but the system prompt.
+            pts = [(s.step + 1, s.hit_ratio) for s in samples[1:] if s.hit_ratio is not None]
             if pts:
                 color, marker = STYLE[kind]
                 ax.plot(*zip(*pts, strict=True), style, color=color, marker=marker,
@@ -184,7 +185,7 @@ def _agent_templates(plt, path: Path, results: list[ScenarioResult]):
         ax.set_title(f"agent session — {r.model} (dotted: new questions)", fontsize=9)
         ax.set_xlabel("request")
         ax.set_ylabel("cached / prompt tokens")
-        ax.set_ylim(-0.02, 1.02)
+        ax.set_ylim(top=1.005)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -272,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("kv-bytes")
     k.add_argument("model", type=Path)
     k.add_argument("tokens", type=int, nargs="+")
+    f = sub.add_parser("families", help="family models on real chat templates")
+    f.add_argument("root", type=Path)
+    f.add_argument("templates", nargs="+", help="template file names (real_templates.py)")
     args = p.parse_args(argv)
 
     result: dict[str, Any]
@@ -296,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
             "lookup": lookup_probe.lookup_costs(args.lookup_tokens),
             "render": render_probe.render_costs(load_tokenizer(args.model)),
         }
+    elif args.command == "families":
+        from . import agent_models
+
+        result = {"models": agent_models.write_models(args.root, tuple(args.templates))}
     else:
         result = kv_bytes(args.model, args.tokens)
     args.json_out.write_text(json.dumps(result))
