@@ -29,14 +29,7 @@ Dialect = Literal["openai", "anthropic"]
 Kind = Literal["question", "tool"]
 
 TOOLS_OPENAI = families.TOOLS
-TOOLS_ANTHROPIC = [
-    {
-        "name": t["function"]["name"],
-        "description": t["function"]["description"],
-        "input_schema": t["function"]["parameters"],
-    }
-    for t in TOOLS_OPENAI
-]
+TOOLS_ANTHROPIC = families.TOOLS_ANTHROPIC
 # What comes between the reasoning and a final answer where it is more than nothing:
 # harmony answers on the final channel.
 FINAL_OPENERS = {"harmony": "<|start|>assistant<|channel|>final<|message|>"}
@@ -81,6 +74,11 @@ def forced_text(
     return head + (real.write(calls) if calls else FINAL_OPENERS.get(real.family, "") + answer)
 
 
+def _cut(text: str, chars: int) -> str:
+    """`text` to at most `chars` characters, ending at a word (prose runs past its ask)."""
+    return text if len(text) <= chars else text[:chars].rsplit(" ", 1)[0].rstrip(" ,;:")
+
+
 def script(
     template: str,
     seed: int = 0,
@@ -112,7 +110,8 @@ def script(
             ("Now I look for where its functions are defined.", (grep_call,), ""),
             ("I have what I need to answer.", (), answer),
         )
-        steps = tuple((f"{r} {corpus.prose(rng, reasoning_chars)}", c, a) for r, c, a in steps)
+        steps = tuple((f"{r} {_cut(corpus.prose(rng, reasoning_chars), reasoning_chars)}", c, a)
+                      for r, c, a in steps)  # fmt: skip
         turns = tuple(
             Turn(m, forced_text(template, r, calls, a), r if reasons else "", calls, a)
             for m, (r, calls, a) in zip(mark, steps, strict=True)

@@ -194,9 +194,7 @@ class CacheSession:
             return []
         interval = self.owner.policy.checkpoint_interval
         prompt = self.job.prompt
-        points = set(prompt.message_starts)
-        if prompt.reply_opens_at is not None:
-            points.add(prompt.reply_opens_at)
+        points = set(prompt.resume_points)
         points.update(range(interval, len(self.chain), interval))
         return sorted(points)
 
@@ -254,7 +252,7 @@ class CacheSession:
             if not snapshots:
                 return None
             prompt = self.job.prompt
-            if position in prompt.message_starts or position == prompt.reply_opens_at:
+            if position in prompt.resume_points:
                 return CheckpointReason.BOUNDARY
             if position % self.owner.policy.checkpoint_interval == 0:
                 return CheckpointReason.PERIODIC

@@ -63,6 +63,16 @@ class RenderedPrompt:
     # or None. Templates that open one drop it from the turn when it is history, so the next
     # turn leaves this prompt right there: a snapshot model needs a checkpoint at this token.
     reply_opens_at: int | None = None
+    # Token index where a closing user message's text starts when the message has no start
+    # of its own (a template that rewrote the history before it): a checkpoint goes there.
+    question_at: int | None = None
+
+    @property
+    def resume_points(self) -> list[int]:
+        """Where a snapshot model checkpoints as prefill passes: message starts, the
+        closing question's text, where the generation prompt opens reasoning."""
+        extra = [p for p in (self.question_at, self.reply_opens_at) if p is not None]
+        return [*self.message_starts, *extra]
 
     def message_at(self, token_index: int) -> int | None:
         """The index of the message that contains `token_index`, if known."""
@@ -123,8 +133,31 @@ def render_chat(
         if t > 0 and ends[t - 1] == length and t > starts[-1]:
             starts.append(t)
             index.append(i)
+    question = _question_start(chat, text, ends, starts, index)
     opens = _reply_opens_at(tokenizer, text, ends) if chat else None
-    return RenderedPrompt(tokens, text, starts, index, reply_opens_at=opens)
+    return RenderedPrompt(tokens, text, starts, index, reply_opens_at=opens, question_at=question)
+
+
+def _question_start(
+    chat: list[dict[str, Any]], text: str, ends: list[int], starts: list[int], index: list[int]
+) -> int | None:
+    """Where a closing user message's text starts, when the message itself has no start.
+
+    A template that drops earlier reasoning renders the history before a new question
+    differently without it, so the question's message has no start of its own; its text
+    does, and a snapshot model needs a checkpoint there for the question asked again or
+    edited to resume as far as a plain model does.
+    """
+    if not chat or chat[-1].get("role") != "user" or (index and index[-1] == len(chat) - 1):
+        return None
+    content = chat[-1].get("content")
+    if not isinstance(content, str) or not content.strip():
+        return None
+    char = text.rfind(content.strip())
+    t = bisect.bisect_right(ends, char)
+    if char < 0 or t == 0 or ends[t - 1] != char or t <= starts[-1]:
+        return None
+    return t
 
 
 def render_tokens(

@@ -311,9 +311,17 @@ def attach(
     prepared = [preprocess(image, spec, limits) for image in images]
     keyed, starts, vision = expand(prompt.tokens, prompt.message_starts, prepared, spec)
     vision = replace(vision, tenant=tenant)
-    opens = prompt.reply_opens_at
+    opens, question = prompt.reply_opens_at, prompt.question_at
+    grown = len(keyed) - len(prompt.tokens)
     if opens is not None:  # the generation prompt comes after every image
-        opens += len(keyed) - len(prompt.tokens)
+        opens += grown
+    if question is not None:  # a question's text with no images of its own comes after all
+        question += grown
     return replace(
-        prompt, tokens=keyed, message_starts=starts, vision=vision, reply_opens_at=opens
+        prompt,
+        tokens=keyed,
+        message_starts=starts,
+        vision=vision,
+        reply_opens_at=opens,
+        question_at=question,
     )

@@ -9,12 +9,12 @@ prompt leaves the cached sequence at the previous task's first assistant turn un
 engine keeps it (Qwen3.6's `preserve_thinking`, on by default) or warms the next
 question's prefix while the person reads the answer (templates without such a flag).
 
-The session's system prompt is long (~13k tokens, an agent's instructions and notes) and
-its tool results short (~120 tokens), so a cache that loses nothing clears the targets:
-every tool step ≥ 0.98 of its prompt from the cache, every new question ≥ 0.95. Behind
-such a prompt a share cannot tell a hit from a miss of one task's turns, so each request
-must also miss no more than what it adds: a tool step its tool result (everything the
-server saw before comes back), a new question its own tokens and their markup.
+The issue's targets are shares of each prompt (tool steps ≥ 0.98, new questions ≥ 0.95),
+which behind an agent's 30k-token system prompt cannot tell a hit from a miss of a whole
+task: the bench (`agent-templates`) reports them at that size. Here the system prompt is
+short, so the session is quick on the CPU, and each request must miss no more than what it
+adds: a tool step all the server saw comes back (its previous prompt and what it wrote), a
+new question misses only its own tokens and the template's markup around them.
 """
 
 from __future__ import annotations
@@ -44,11 +44,15 @@ TEMPLATES = (
     "gemma4_31b_it.jinja",
     "glm_4_7_flash.jinja",
 )
-# Characters: a ~13k-token system prompt, ~120-token tool results (more where a template
-# escapes them, as gpt-oss's does), ~200 tokens of reasoning per turn.
-SIZES = {"system_chars": 36_000, "result_chars": 250, "reasoning_chars": 600}
-TOOL_STEP_SHARE = 0.98
+# Characters: a ~1.3k-token system prompt (the bench runs an agent's 30k), ~120-token tool
+# results (more where a template escapes them, as gpt-oss's does), ~60 tokens of reasoning
+# per turn (the model writes every token of it: decoding is most of a session's time).
+SIZES = {"system_chars": 4_000, "result_chars": 250, "reasoning_chars": 150}
 NEW_QUESTION_SHARE = 0.95
+# gpt-oss's template writes a call's header and arguments otherwise than the model does
+# (test_real_template_rerender.py says how): its tool steps reuse the previous prompt and
+# the analysis, and prefill the call again.
+CALL_RERENDERED = ("gpt_oss_harmony.jinja",)
 # A share alone cannot tell a hit from a miss of one task's turns behind a long system
 # prompt, so a new question may also miss no more than its own tokens and the template's
 # markup around them (the end of the last turn, the user turn, the generation prompt).
@@ -134,14 +138,27 @@ class WarmWaiter:
 def describe(records: list[agent_session.Record]) -> str:
     return " ".join(
         f"{'Q' if r.kind == 'question' else 't'}{r.task + 1}.{r.step}="
-        f"{r.cached_tokens}/{r.prompt_tokens}({(r.share or 0):.3f},{r.ttft_s or 0:.2f}s)"
+        f"{r.cached_tokens}/{r.prompt_tokens}({(r.share or 0):.3f},{r.ttft_s or 0:.2f}s,{r.total_s or 0:.2f}s,{r.completion_tokens})"
         for r in records
     )
 
 
-@pytest.mark.parametrize("sent_back", [True, False], ids=["reasoning-sent-back", "dropped"])
-@pytest.mark.parametrize("dialect", ["openai", "anthropic"])
-@pytest.mark.parametrize("template", TEMPLATES)
+def _cases():
+    """Qwen3.6 and 3.5 (a flag, and none) in both dialects, reasoning sent back and dropped;
+    the other families as the clients that meet them most: an OpenAI client that drops
+    reasoning, and Claude Code, which sends its thinking blocks back."""
+    for template in TEMPLATES:
+        full = template in ("qwen3_6.jinja", "qwen3_5.jinja")
+        for dialect in ("openai", "anthropic"):
+            for sent_back in (True, False):
+                if full or sent_back == (dialect == "anthropic"):
+                    name = "reasoning-sent-back" if sent_back else "dropped"
+                    yield pytest.param(
+                        template, dialect, sent_back, id=f"{template}-{dialect}-{name}"
+                    )
+
+
+@pytest.mark.parametrize(("template", "dialect", "sent_back"), list(_cases()))
 def test_an_agent_session_on_a_real_template_is_served_from_the_cache(
     agent_server, template, dialect, sent_back
 ):
@@ -177,7 +194,9 @@ def test_an_agent_session_on_a_real_template_is_served_from_the_cache(
         if r.kind == "tool":
             # All the server saw (the previous prompt and what it wrote) comes back.
             seen = prev.prompt_tokens + prev.completion_tokens - 1
-            if r.share < TOOL_STEP_SHARE or r.cached_tokens < seen:
+            if template in CALL_RERENDERED:
+                seen = prev.prompt_tokens
+            if r.cached_tokens < seen:
                 low.append(f"tool step {r.task + 1}.{r.step}: {r.share:.3f}, {r.cached_tokens} < {seen}")  # fmt: skip
         else:
             question = plan.tasks[r.task].question

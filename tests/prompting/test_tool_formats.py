@@ -21,14 +21,7 @@ from engine_bridge.models.demo import families
 from tests.conftest import fresh_cache_dir, start_server
 
 TOOLS_OPENAI = families.TOOLS
-TOOLS_ANTHROPIC = [
-    {
-        "name": t["function"]["name"],
-        "description": t["function"]["description"],
-        "input_schema": t["function"]["parameters"],
-    }
-    for t in TOOLS_OPENAI
-]
+TOOLS_ANTHROPIC = families.TOOLS_ANTHROPIC
 # Markup no client may see in any answer, whatever the family.
 MARKUP = (
     "<tool_call>",

@@ -39,6 +39,7 @@ class Outcome:
     result: GenerationResult
     reached: int = 0  # where a cancelled request's prefill stopped
     reply_opens_at: int | None = None  # where the generation prompt opens <think>
+    resume_points: list[int] = field(default_factory=list)  # checkpointed as prefill passes
 
 
 class Driver:
@@ -140,6 +141,7 @@ class Driver:
             result,
             spy.reached,
             job.prompt.reply_opens_at,
+            job.prompt.resume_points,
         )
 
     def has_snapshots(self, model: str) -> bool:
@@ -262,7 +264,7 @@ class HitModel:
             last = [(n - 1, "prompt_end"), (end, "generation_end")]
             if o.reply_opens_at is not None and self.snapshots:
                 last = last[1:]  # the checkpoint where the reply opened <think> stands for it
-        starts = [*o.message_starts, *([o.reply_opens_at] if o.reply_opens_at else [])]
+        starts = o.resume_points
         pauses = [(p, "boundary") for p in starts if o.cached < p <= end and p < n - 1]
         periodic = range(self.interval, min(end + 1, n - 1), self.interval)
         pauses += [(p, "periodic") for p in periodic if p > o.cached]

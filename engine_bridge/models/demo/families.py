@@ -57,6 +57,15 @@ TOOLS = [
     _tool("Read", {"file_path": "string", "limit": "integer"}),
 ]
 REASONING = "The user wants to see the files, so I list them."
+# The same tools as the Anthropic dialect takes them.
+TOOLS_ANTHROPIC = [
+    {
+        "name": t["function"]["name"],
+        "description": t["function"]["description"],
+        "input_schema": t["function"]["parameters"],
+    }
+    for t in TOOLS
+]
 BASH = {"name": "Bash", "arguments": {"command": "ls -la", "timeout": 30}}
 READ = {"name": "Read", "arguments": {"file_path": "README.md", "limit": 20}}
 
@@ -197,16 +206,7 @@ FAMILIES: dict[str, Family] = {
             opens_thinking=False,
             # Gemma's vocabulary has none of the ChatML markup; mlx-lm would find <think>
             # before <|channel>.
-            renames={
-                "<|im_start|>": "<|turn>",
-                "<|im_end|>": "<turn|>",
-                "<think>": "<|channel>",
-                "</think>": "<channel|>",
-                "<tool_call>": "<|tool_call>",
-                "</tool_call>": "<tool_call|>",
-                "<tool_response>": "<|tool_response>",
-                "</tool_response>": "<tool_response|>",
-            },
+            renames=real_templates.GEMMA_RENAMES,
             markup=('<|"|>', "<|think|>", "<|tool>", "<tool|>"),
             eos=("<turn|>", "<|tool_response>"),
         ),
@@ -220,14 +220,7 @@ FAMILIES: dict[str, Family] = {
             template="chat_template_harmony.jinja",
             think=None,
             opens_thinking=False,
-            renames={
-                "<think>": "<|start|>",
-                "</think>": "<|end|>",
-                "<tool_call>": "<|message|>",
-                "</tool_call>": "<|channel|>",
-                "<tool_response>": "<|constrain|>",
-                "</tool_response>": "<|return|>",
-            },
+            renames=real_templates.HARMONY_RENAMES,
             markup=("<|call|>",),
             eos=("<|return|>", "<|call|>"),
         ),

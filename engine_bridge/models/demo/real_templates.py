@@ -72,7 +72,9 @@ _CHATML_EOS = ("<|im_end|>",)
 _QWEN_VISION = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 _GLM_CONTROL = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
 _GLM_ARGS = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
-_GEMMA_RENAMES = {
+# The demo tokens Gemma 4's and gpt-oss's vocabularies have in other spellings (families.py
+# builds its written-here templates' models with them too).
+GEMMA_RENAMES = {
     "<|im_start|>": "<|turn>",
     "<|im_end|>": "<turn|>",
     "<think>": "<|channel>",
@@ -82,7 +84,7 @@ _GEMMA_RENAMES = {
     "<tool_response>": "<|tool_response>",
     "</tool_response>": "<tool_response|>",
 }
-_HARMONY_RENAMES = {
+HARMONY_RENAMES = {
     "<think>": "<|start|>",
     "</think>": "<|end|>",
     "<tool_call>": "<|message|>",
@@ -169,7 +171,7 @@ def _gemma(head: Callable[[str], str]) -> dict[str, Any]:
         write=markup.gemma4,
         think=("<|channel>thought", "<channel|>"),
         opens_thinking=False,
-        renames=_GEMMA_RENAMES,
+        renames=GEMMA_RENAMES,
         control=("<|image|>", "<|audio|>", "<|video|>"),
         markup=('<|"|>', "<|think|>", "<|tool>", "<tool|>"),
         eos=("<turn|>", "<|tool_response>"),
@@ -228,7 +230,7 @@ REAL: dict[str, RealTemplate] = {
             write=markup.harmony,
             think=None,
             opens_thinking=False,
-            renames=_HARMONY_RENAMES,
+            renames=HARMONY_RENAMES,
             control=(),
             markup=("<|call|>",),
             eos=("<|return|>", "<|call|>"),
