@@ -71,7 +71,9 @@ class EngineSettings:
     # Images per request and per image ([vision]); over a limit answers 4xx.
     vision_limits: VisionLimits = field(default_factory=VisionLimits)
     # Templates that drop earlier reasoning with no flag to keep it: the next question's
-    # prefix is prefilled while the machine is idle (warm_ahead.py).
-    warm_ahead: WarmAheadSettings = field(default_factory=WarmAheadSettings)
+    # prefix is prefilled while the machine is idle (warm_ahead.py). Off for an engine
+    # built in-process (tests, probes), whose next request must hit what it predicts; the
+    # server's config turns it on ([cache.warm_ahead] enabled, true by default).
+    warm_ahead: WarmAheadSettings = field(default_factory=lambda: WarmAheadSettings(enabled=False))
     # The reasoning generated per assistant turn, put back where a client drops it (bytes).
     reasoning_memo_bytes: int = 16 << 20
