@@ -69,7 +69,9 @@ class Turns:
         defaults = self.template_defaults(loaded)
         if defaults:
             req.template_kwargs = defaults | req.template_kwargs
-        if req.messages is not None and req.use_cache:
+        # Bypassed requests too: `x-prompt-cache: bypass` must see the prompt a cached
+        # request sees, or the two answers could not be compared.
+        if req.messages is not None:
             req.messages = self.reasoning.restore(_scope(req), req.messages)
             edge = self._edges.get(loaded.fingerprint)
             if edge is not None:

@@ -137,3 +137,36 @@ def test_warming_ahead_is_off_with_its_switch(server):
     """The suite's shared server runs with [cache.warm_ahead] enabled = false."""
     stats = httpx.get(server.url + "/v1/cache/stats", timeout=30).json()["warm_ahead"]
     assert stats["enabled"] is False and stats["offered"] == 0
+
+
+def test_dropped_reasoning_is_put_back_for_cached_and_bypassed_requests_alike(warm_server):
+    """A client that drops `reasoning_content` gets its turn rendered as the model wrote it,
+    and `x-prompt-cache: bypass` sees that same prompt: the answers stay comparable."""
+    client = _client(warm_server)
+
+    def restored() -> int:
+        stats = httpx.get(warm_server.url + "/v1/cache/stats", timeout=30).json()
+        return stats["reasoning_memo"]["restored"]
+
+    before = restored()
+    task = [
+        {"role": "system", "content": prose(12)},
+        {"role": "user", "content": "Which queue waits?"},
+    ]
+    first = client.chat.completions.create(
+        model=MODEL, messages=task, max_tokens=12, temperature=0.0,
+        extra_headers={"x-session-id": "s-dropped"},
+    )  # fmt: skip
+    m = first.choices[0].message
+    assert getattr(m, "reasoning_content", None), "demo-hybrid opens <think>: it reasons"
+    follow = [*task, {"role": "assistant", "content": m.content or ""}]
+    follow.append({"role": "user", "content": "Say more."})
+    answers = []
+    for bypass in (False, True):
+        headers = {"x-session-id": "s-dropped"} | ({"x-prompt-cache": "bypass"} if bypass else {})
+        r = client.chat.completions.create(
+            model=MODEL, messages=follow, max_tokens=12, temperature=0.0, extra_headers=headers
+        )
+        answers.append((r.choices[0].message.content, r.usage.prompt_tokens))
+    assert answers[0] == answers[1]
+    assert restored() == before + 2
