@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .prompting import next_turn, reasoning_layout, template_flags
 from .prompting.reasoning_memo import ReasoningMemo, Scope
 from .scheduling.output_rules import call_marker_is_token
+from .scheduling.runner import lane
 from .types import GenerationRequest, GenerationResult
 from .warm_ahead import WarmAhead, WarmOffer
 
@@ -127,7 +128,7 @@ class Turns:
                 "[%s] the next question starts inside a token: nothing to warm", req.request_id
             )
             return
-        offer = WarmOffer(req.model, req.tenant, req.session, prefix, lane=_lane(req))
+        offer = WarmOffer(req.model, req.tenant, req.session, prefix, lane=lane(req))
         assert self.loop is not None
         self.loop.call_soon_threadsafe(self.warm_ahead.offer, offer)
 
@@ -173,14 +174,3 @@ def rendered_tools(loaded: LoadedModel, req: GenerationRequest) -> list | None:
         named = [t for t in req.tools if t.get("function", {}).get("name") == req.tool_choice.name]
         return named or req.tools
     return req.tools
-
-
-def _lane(req: GenerationRequest) -> str:
-    """The session's id, or for a client that sends none its conversation (the first user
-    message)."""
-    if req.session:
-        return req.session
-    for m in req.messages or ():
-        if m.role == "user":
-            return "conversation:" + str(hash(m.content) & 0xFFFFFFFF)
-    return ""

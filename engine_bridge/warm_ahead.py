@@ -133,14 +133,18 @@ class WarmAhead:
             await asyncio.wait({task})
 
     @property
+    def running(self) -> bool:
+        return self._current is not None and not self._current.done()
+
+    @property
     def pending(self) -> int:
-        return len(self._offers) + (self._current is not None and not self._current.done())
+        return len(self._offers) + self.running
 
     def stats(self) -> dict[str, Any]:
         return asdict(self._stats) | {
             "enabled": self.settings.enabled,
             "pending": self.pending,
-            "running": self._current is not None and not self._current.done(),
+            "running": self.running,
             "max_sessions": self.settings.max_sessions,
             "max_tokens_per_minute": self.settings.tokens_per_minute,
         }
@@ -221,14 +225,14 @@ class WarmAhead:
             self._stats.already_cached += 1
             return
         room = self.engine.warm_room_tokens(offer.model, self.settings.max_ram_share)
-        if not self._take_budget(new) or (room is not None and new > room):
+        # The RAM share first: a warm-up it refuses must not spend the token budget.
+        over = "RAM share" if room is not None and new > room else None
+        if over is None and not self._take_budget(new):
+            over = "tokens-per-minute budget"
+        if over is not None:
             self._stats.over_budget += 1
-            log.info(
-                "not warming ahead %d tokens for session %r: over the %s",
-                new,
-                offer.session,
-                "RAM share" if room is not None and new > room else "tokens-per-minute budget",
-            )
+            log.info("not warming ahead %d tokens for session %r: over the %s",
+                     new, offer.session, over)  # fmt: skip
             return
         t0 = time.perf_counter()
         stream = await self.engine.start_prompt(req, offer.prompt)

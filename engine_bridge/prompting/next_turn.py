@@ -18,7 +18,7 @@ from typing import Any
 from ..types import Message, ToolCall
 from .output_format import OutputFormat
 from .prefix_memo import PrefixMemo
-from .render import NormalizationRule, RenderedPrompt, render_chat
+from .render import NormalizationRule, RenderedPrompt, render_chat, render_plain
 
 # The next question's text is unknown; any question renders the history before it alike
 # (tool results are not questions: a placeholder must not look like one). Two that differ
@@ -82,10 +82,11 @@ def next_question_prefix(
     first = render_chat(
         tokenizer, [*history, Message("user", PLACEHOLDERS[0])], tools, template_kwargs, rules, memo
     )
-    other = render_chat(
+    # Only its tokens and text are compared: no message starts to place.
+    other = render_plain(
         tokenizer, [*history, Message("user", PLACEHOLDERS[1])], tools, template_kwargs, rules
     )
-    shared = _common(first.tokens, other.tokens)
+    shared = len(os.path.commonprefix([first.tokens, other.tokens]))
     # Tokens past the texts' common part depend on the question's first characters.
     text_shared = len(os.path.commonprefix([first.text, other.text]))
     while shared and len(tokenizer.decode(first.tokens[:shared])) > text_shared:
@@ -100,8 +101,3 @@ def next_question_prefix(
         [first.message_starts[i] for i in keep],
         [first.message_index[i] for i in keep],
     )
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)

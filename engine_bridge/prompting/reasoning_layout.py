@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..types import Message
-from .render import NormalizationRule, render_tokens
+from .render import NormalizationRule, render_plain
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def learn(
             continue
         tried.add(reasoning)
         chat = [*messages, replace(reply, reasoning=reasoning)]
-        tokens = render_tokens(tokenizer, chat, tools, template_kwargs, rules)
+        tokens = render_plain(tokenizer, chat, tools, template_kwargs, rules).tokens
         if tokens[: len(written)] == list(written):
             return edge
     return None

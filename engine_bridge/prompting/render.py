@@ -160,17 +160,18 @@ def _question_start(
     return t
 
 
-def render_tokens(
+def render_plain(
     tokenizer: Any,
     messages: Sequence[Message],
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
     rules: Sequence[NormalizationRule] = (),
-) -> list[int]:
-    """The prompt's token ids alone, as `render_chat` makes them (no message starts)."""
+) -> RenderedPrompt:
+    """The prompt's text and token ids as `render_chat` makes them, without placing message
+    starts (a render per prefix, for a template that rewrites history)."""
     chat = [m.to_template() for m in normalize_messages(messages, rules)]
     text = _apply_template(tokenizer, chat, tools, True, dict(template_kwargs or {}))
-    return _encode_with_offsets(tokenizer, text)[0]
+    return RenderedPrompt(_encode_with_offsets(tokenizer, text)[0], text)
 
 
 def _reply_opens_at(tokenizer: Any, text: str, ends: list[int]) -> int | None:

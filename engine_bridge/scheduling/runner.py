@@ -147,7 +147,7 @@ class Runner(Decoding):
 
     def enqueue(self, pending: Pending) -> None:
         req = pending.job.request
-        self._waiting.push(req.tenant, _lane(req), pending)
+        self._waiting.push(req.tenant, lane(req), pending)
 
     @property
     def has_work(self) -> bool:
@@ -221,7 +221,7 @@ class Runner(Decoding):
             estimate = self.bytes_per_token * (len(job.prompt.tokens) + job.max_tokens)
             if not self.scheduler.kv_room(int(estimate), idle=self.active == 0):
                 self.scheduler.stats.admission_waits += 1
-                self._waiting.push_front(job.request.tenant, _lane(job.request), pending)
+                self._waiting.push_front(job.request.tenant, lane(job.request), pending)
                 break
             self._start(pending)
             worked = True
@@ -443,7 +443,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
-def _lane(req: GenerationRequest) -> str:
+def lane(req: GenerationRequest) -> str:
     """The session a request waits in line as: the client's session id when it sends one,
     else its conversation (the first user message), else the request itself."""
     if req.session:

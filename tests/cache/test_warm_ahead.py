@@ -81,17 +81,22 @@ def _ask(client, messages, session, *, bypass=False, max_tokens=8):
     return back, r.usage
 
 
+def _task(system_sentences: int, question: str, result_sentences: int) -> list[dict]:
+    """A question answered with one call: the turn the next question's render rewrites."""
+    return [
+        {"role": "system", "content": prose(system_sentences)},
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "", "reasoning_content": "Read.", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": prose(result_sentences)},
+    ]
+
+
 def test_the_next_question_hits_its_warmed_prefix_and_answers_as_without_the_cache(
     warm_server,
 ):
     client = _client(warm_server)
     before = _warm_stats(warm_server)
-    task = [
-        {"role": "system", "content": prose(40)},
-        {"role": "user", "content": "Which service writes the ledger?"},
-        {"role": "assistant", "content": "", "reasoning_content": "Read it.", "tool_calls": [CALL]},
-        {"role": "tool", "tool_call_id": "call_1", "content": prose(30)},
-    ]
+    task = _task(40, "Which service writes the ledger?", 30)
     answer, _ = _ask(client, task, "s-hit")
     _settled(warm_server, before["warmed"] + 1)
     follow = [*task, answer, {"role": "user", "content": "And who reads it?"}]
@@ -109,13 +114,9 @@ def test_the_next_question_hits_its_warmed_prefix_and_answers_as_without_the_cac
 def test_a_request_preempts_a_warm_up_and_the_warm_up_finishes_later(warm_server):
     client = _client(warm_server)
     before = _warm_stats(warm_server)
-    task = [
-        {"role": "system", "content": prose(10)},
-        {"role": "user", "content": "Summarize the notes."},
-        {"role": "assistant", "content": "", "reasoning_content": "Read.", "tool_calls": [CALL]},
-        # Re-prefilled by the warm-up (the turn above loses its reasoning): several steps.
-        {"role": "tool", "tool_call_id": "call_1", "content": prose(250)},
-    ]
+    # The long tool result is prefilled again by the warm-up (the call's turn loses its
+    # reasoning at the next question): several scheduler steps.
+    task = _task(10, "Summarize the notes.", 250)
     answer, _ = _ask(client, task, "s-preempt")
     end = time.monotonic() + 60
     while not _warm_stats(warm_server)["running"]:
