@@ -412,8 +412,8 @@ class Engine:
 
     # -- warming ahead (warm_ahead.py) ----------------------------------------------------
 
-    def active_requests(self) -> int:
-        return self._served.active_requests()
+    def idle_s(self) -> float:
+        return self._served.idle_s()
 
     def warm_room_tokens(self, model_id: str, share: float) -> int | None:
         """How many new tokens of `model_id` fit in `share` of the RAM tier's budget;

@@ -7,6 +7,7 @@ to find running jobs and loaded models without knowing the engine.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -67,9 +68,13 @@ class ServedModels:
             if entry.runner is not None:
                 yield entry.runner.loaded
 
-    def active_requests(self) -> int:
-        """Requests submitted to any loaded model and not yet finished."""
-        return sum(e.runner.active_jobs for e in list(self._by_id.values()) if e.runner)
+    def idle_s(self) -> float:
+        """Seconds since a request of a loaded model last started or ended; 0 while one
+        runs."""
+        runners = [e.runner for e in list(self._by_id.values()) if e.runner is not None]
+        if any(r.active_jobs for r in runners):
+            return 0.0
+        return time.monotonic() - max((r.last_used for r in runners), default=0.0)
 
     def vision_stats(self) -> dict[str, int]:
         """Feature and preprocessing caches, summed over the loaded models that see."""

@@ -4,7 +4,7 @@ A template that drops earlier reasoning without a flag to keep it re-renders the
 last task once a new question comes, and the prompt leaves the cache at the task's first
 assistant turn. When a turn ends with an answer (no call), the engine renders the prefix
 the next question will have (`prompting/next_turn.py`) and offers it here. While the
-machine has no request to serve, the newest offer is prefilled and stored like a warm-up
+machine has had no request for a second, the newest offer is prefilled and stored like a warm-up
 (`prefill_only`); any request that starts preempts it at the next scheduler step, and what
 it had stored stays. Bounded by sessions waiting, prefilled tokens per minute and RAM.
 """
@@ -39,6 +39,11 @@ class WarmAheadSettings:
     tokens_per_minute: int = 120_000
     # The RAM tier's share one warm-up may fill (its new K/V bytes, estimated).
     max_ram_share: float = 0.5
+    # Seconds with no request before a warm-up starts: an agent or script sends its next
+    # request within milliseconds, and would wait for the warm-up's prefill chunk in
+    # progress (measured: 1.6x the total TTFT of the bench's replayed agent trace); a
+    # person reading the answer takes longer than this.
+    after_idle_s: float = 1.0
     # Fewer new tokens than this are not worth a job: the question prefills them itself.
     min_tokens: int = 16
     # A preempted warm-up is offered again this many times.
@@ -76,7 +81,7 @@ class WarmOffer:
 class Engine(Protocol):
     """What warming ahead asks of the engine (engine.py's Engine)."""
 
-    def active_requests(self) -> int: ...
+    def idle_s(self) -> float: ...
 
     def warm_room_tokens(self, model: str, share: float) -> int | None: ...
 
@@ -171,7 +176,7 @@ class WarmAhead:
             await self._wake.wait()
             self._wake.clear()
             while self._offers:
-                if self.engine.active_requests() > 0:
+                if self.engine.idle_s() < self.settings.after_idle_s:
                     await asyncio.sleep(IDLE_POLL_S)
                     continue
                 _, offer = self._offers.popitem(last=True)

@@ -100,6 +100,7 @@ def engine_settings(config: Config) -> EngineSettings:
             max_sessions=cache.warm_ahead.max_sessions,
             tokens_per_minute=cache.warm_ahead.tokens_per_minute,
             max_ram_share=cache.warm_ahead.max_ram_share,
+            after_idle_s=cache.warm_ahead.after_idle,
         ),
         vision_limits=VisionLimits(
             max_image_bytes=parse_size(config.vision.max_image_size),

@@ -107,6 +107,9 @@ class WarmAheadConfig:
     tokens_per_minute: int = 120_000
     # The RAM tier's share one warm-up may fill.
     max_ram_share: float = 0.5
+    # Seconds with no request before a warm-up starts (scripts and agents send their next
+    # request at once; a person reads first).
+    after_idle: float = 1.0
 
 
 @dataclass(slots=True)

@@ -113,6 +113,9 @@ def validate(config: Config, origins: Origins) -> None:
     check("cache.warm_ahead.tokens_per_minute", w.tokens_per_minute >= 0, "must be 0 or more")
     check("cache.warm_ahead.max_ram_share", 0 < w.max_ram_share <= 1,
           f"must be above 0 and at most 1, got {w.max_ram_share}")  # fmt: skip
+    check(
+        "cache.warm_ahead.after_idle", w.after_idle >= 0, f"must be 0 or more, got {w.after_idle}"
+    )
     parses("cache.ram.budget", lambda v: resolve_ram_budget(v, 0), c.ram.budget)
     if c.ram.min_available != "off":
         parses(
