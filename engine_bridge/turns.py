@@ -73,7 +73,8 @@ class Turns:
         # Bypassed requests too: `x-prompt-cache: bypass` must see the prompt a cached
         # request sees, or the two answers could not be compared.
         if req.messages is not None:
-            req.messages = self.reasoning.restore(_scope(req), req.messages)
+            if req.restore_reasoning:
+                req.messages = self.reasoning.restore(_scope(req), req.messages)
             edge = self._edges.get(loaded.fingerprint)
             if edge is not None:
                 req.messages = reasoning_layout.send_back(edge, req.messages)

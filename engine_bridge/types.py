@@ -169,6 +169,8 @@ class GenerationRequest:
     request_id: str = ""
     # Extra keyword arguments for the chat template (e.g. enable_thinking).
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Put back reasoning the client dropped from earlier assistant turns (turns.py).
+    restore_reasoning: bool = True
     # Token ids to use as they are, instead of rendering `messages` or encoding `prompt`
     # (OpenAI legacy completions accept a token array as the prompt).
     prompt_tokens: list[int] | None = None

@@ -33,6 +33,7 @@ from .dialects import (
 from .dialects.sse import STREAM
 from .errors import ApiError, api_error, dialect_for, error_response
 from .fields import parse_json_object, read_body
+from .generation import shown_settings
 from .openapi import document as openapi
 from .security import PASSTHROUGH_ROUTE, BrowserPolicy, browser_safety, setup_browser_safety
 from .state import ENGINE, REQUEST_ID, SETTINGS, ProxySettings
@@ -155,17 +156,15 @@ async def list_models(request: web.Request) -> web.Response:
 
     A local model's `settings` are what a request that sets none gets: its
     [model."<pattern>"] settings, the engine's template defaults under their kwargs."""
-    engine = request.app[ENGINE]
-    table = request.app[SETTINGS].model_settings
     local = [
         {
             "id": m,
             "object": "model",
             "created": 0,
             "owned_by": LOCAL_OWNER,
-            "settings": table.resolve(m).effective(engine.template_defaults(m)),
+            "settings": shown_settings(request.app, m),
         }
-        for m in engine.model_ids
+        for m in request.app[ENGINE].model_ids
     ]
     upstream = []
     if request.app[UPSTREAM_CONFIG].enabled:

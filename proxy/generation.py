@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -23,7 +24,7 @@ from . import fields as f
 from .config.model_settings import SAMPLING_FIELDS
 from .dialects.output import Part
 from .errors import ApiError
-from .state import REQUEST_ID, SETTINGS
+from .state import ENGINE, REQUEST_ID, SETTINGS
 
 BYPASS_HEADER = "x-prompt-cache"
 # `x-speculative: off` decodes this request without speculation, for comparisons.
@@ -184,6 +185,14 @@ class Given:
         )
 
 
+def shown_settings(app: web.Application, model_id: str) -> dict[str, Any]:
+    """What a request that sets nothing gets from local model `model_id`, as the model
+    lists show it: its [model."<pattern>"] settings over the template's default kwargs."""
+    engine = app[ENGINE]
+    settings = app[SETTINGS].model_settings.resolve(model_id)
+    return settings.effective(engine.template_defaults(model_id))
+
+
 def apply_model_settings(req: GenerationRequest, request: web.Request, given: Given) -> bool:
     """Fill what the body left unset from the model's `[model."<pattern>"]` settings; the
     template kwargs go under the request's own. True when they chose max_tokens."""
@@ -192,6 +201,8 @@ def apply_model_settings(req: GenerationRequest, request: web.Request, given: Gi
         value = getattr(settings, name)
         if value is not None and name not in given.sampling:
             setattr(req.sampling, name, value)
+    if settings.restore_reasoning is not None:
+        req.restore_reasoning = settings.restore_reasoning
     if settings.chat_template_kwargs:
         # The request's kwargs, reasoning_effort and Anthropic's thinking among them, win.
         req.template_kwargs = {**settings.chat_template_kwargs, **req.template_kwargs}

@@ -1,8 +1,9 @@
 """`[model."<pattern>"]`: per-model sampling defaults, max_tokens and chat-template kwargs.
 
 A section applies to a served model when its pattern, compared without regard to case,
-equals the model's id or LM Studio key (exact), or matches either as an fnmatch glob
-(`*`, `?`, `[...]`). Every matching section contributes; per key the most specific wins:
+equals one of the model's names (exact), or matches one as an fnmatch glob (`*`, `?`,
+`[...]`). The names: its id, its LM Studio key `publisher/model-dir`, and the folder name
+alone, which LM Studio's REST API gives as `key` beside a separate `publisher`. Every matching section contributes; per key the most specific wins:
 an exact pattern beats any glob, a longer glob beats a shorter one, and of two equally
 specific sections the one written later in the file wins. `chat_template_kwargs` merge
 the same way, kwarg by kwarg. The request's own values always win (proxy/generation.py).
@@ -39,6 +40,11 @@ class ModelSettings:
     max_tokens: int | None = None
     # Merged under the request's own chat_template_kwargs.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # False: reasoning a client dropped from earlier assistant turns stays dropped. On a
+    # template that strips it at the next question anyway (MiniMax M2, GLM-4.7, Gemma 4,
+    # gpt-oss), that keeps a question sent at once from prefilling the last task again,
+    # at the price of the tool loop's reasoning (docs/templates.md).
+    restore_reasoning: bool | None = None
 
     def values(self) -> dict[str, Any]:
         """The scalar keys that are set (chat_template_kwargs aside)."""
@@ -85,6 +91,11 @@ def resolve(sections: Mapping[str, ModelSettings], names: Iterable[str]) -> Mode
     return ModelSettings(**values, chat_template_kwargs=kwargs)
 
 
+def model_names(model_id: str, key: str) -> tuple[str, ...]:
+    """What a section may name a model by: its id, its LM Studio key, the key's folder."""
+    return (model_id, key, key.rsplit("/", 1)[-1], model_id.rsplit("/", 1)[-1])
+
+
 def lmstudio_key(path: Path) -> str:
     """LM Studio's key for a model folder: `publisher/model-dir`, the folder's last two parts."""
     return "/".join(path.parts[-2:])
@@ -106,7 +117,9 @@ class ModelSettingsTable:
         """`key`: the model's LM Studio key when the caller knows it better than the table."""
         if not self.sections:
             return _NONE
-        return resolve(self.sections, (model_id, key or self._keys.get(model_id, model_id)))
+        return resolve(
+            self.sections, model_names(model_id, key or self._keys.get(model_id, model_id))
+        )
 
 
 _NONE = ModelSettings()
@@ -129,6 +142,8 @@ def validate_model_settings(sections: Mapping[str, ModelSettings], origins: Orig
         if not pattern.strip():
             raise key_error(("model", pattern), origins, "the model pattern is empty")
         for name, value in section.values().items():
+            if name not in _RANGES:
+                continue  # a flag: its type was checked as it was read
             ok, rule = _RANGES[name]
             if not (math.isfinite(value) and ok(value)):
                 raise key_error(("model", pattern, name), origins, f"{rule}, got {value!r}")

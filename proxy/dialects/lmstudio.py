@@ -11,9 +11,8 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from engine_bridge.engine import Engine
-
 from ..fields import parse_json_object, read_body
+from ..generation import shown_settings
 from ..state import ENGINE, SETTINGS
 from ..upstream.passthrough import (
     MODELS_TIMEOUT_S,
@@ -56,8 +55,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _local_or_forward(request, openai_api.completions)
 
 
-def local_model_entry(engine: Engine, model_id: str) -> dict[str, Any]:
-    info = engine.model_info(model_id)
+def local_model_entry(app: web.Application, model_id: str) -> dict[str, Any]:
+    info = app[ENGINE].model_info(model_id)
     entry: dict[str, Any] = {
         "id": model_id,
         "object": "model",
@@ -67,6 +66,8 @@ def local_model_entry(engine: Engine, model_id: str) -> dict[str, Any]:
         "compatibility_type": "mlx",
         "state": "loaded" if info.loaded else "not-loaded",
         "owned_by": "mlx-prompt-cache",
+        # Not in LM Studio's own entries: what a request that sets none gets (as /v1/models).
+        "settings": shown_settings(app, model_id),
     }
     if info.loaded:
         entry["arch"] = info.arch or "unknown"
@@ -78,7 +79,7 @@ def local_model_entry(engine: Engine, model_id: str) -> dict[str, Any]:
 async def models(request: web.Request) -> web.Response:
     """Local models in LM Studio's shape, then the upstream's own /api/v0/models entries."""
     engine = request.app[ENGINE]
-    data = [local_model_entry(engine, m) for m in engine.model_ids]
+    data = [local_model_entry(request.app, m) for m in engine.model_ids]
     seen = {d["id"] for d in data}
     if request.app[UPSTREAM_CONFIG].enabled:
         upstream = await _upstream_entries(request)

@@ -57,6 +57,19 @@ def test_matching_ignores_case_and_reads_the_lm_studio_key_too():
     assert lmstudio_key(Path("/Users/me/models/lmstudio-community/Q")) == "lmstudio-community/Q"
 
 
+def test_the_folder_name_alone_names_a_model_as_lm_studios_rest_key_does():
+    # LM Studio's REST API lists `"key": "qwen3.6-35b-a3b-mlx-4bit"` beside its publisher.
+    table = ModelSettingsTable({"qwen3.6-35b-a3b-mlx-4bit": ModelSettings(top_k=20)})
+    assert table.resolve(QWEN).top_k == 20
+    assert table.resolve("Qwen3.6-35B-A3B-MLX-4bit", QWEN).top_k == 20
+    # Only the whole folder name: a part of it names nothing.
+    assert ModelSettingsTable({"qwen3.6": ModelSettings(top_k=20)}).resolve(QWEN).top_k is None
+    # The publisher alone is no model's name either.
+    assert ModelSettingsTable({"lmstudio-community": ModelSettings(top_k=1)}).resolve(QWEN) == (
+        ModelSettings()
+    )
+
+
 def test_template_kwargs_merge_kwarg_by_kwarg_and_show_over_the_engines_defaults():
     sections = {
         "*": ModelSettings(chat_template_kwargs={"enable_thinking": False, "x": 1}),

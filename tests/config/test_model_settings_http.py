@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import anthropic
 import httpx
@@ -32,11 +33,19 @@ max_tokens = 5
 
 [model."demo-hybrid"]
 chat_template_kwargs = { enable_thinking = false, preserve_thinking = false }
+restore_reasoning = false
 
 [model."demo-swa"]
 max_tokens = 100000000
 """
 HELLO = [{"role": "user", "content": "[case=hello] hi"}]
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "look",
+        "parameters": {"type": "object", "properties": {"at": {"type": "string"}}},
+    },
+}
 STORY = [{"role": "user", "content": "Tell me a long story about a cat and a boat."}]
 
 
@@ -46,7 +55,10 @@ def configured(demo_root, tmp_path_factory):
     config = root / "config.toml"
     config.write_text(CONFIG)
     forced = root / "forced.json"
-    forced.write_text(json.dumps({"outputs": [{"match": "[case=hello]", "text": "Hello there."}]}))
+    outputs = [{"match": "[case=hello]", "text": "Hello there."}]
+    call = "<tool_call>\n<function=look>\n<parameter=at>\nsky\n</parameter>\n</function>\n</tool_call>"
+    outputs.append({"match": "[case=call]", "text": f"I look.\n</think>\n\n{call}"})
+    forced.write_text(json.dumps({"outputs": outputs}))
     server = start_server(
         fresh_cache_dir(demo_root, root / "cache"),
         "--config",
@@ -74,6 +86,7 @@ EXPECTED = {
     "demo-hybrid": {
         "temperature": 0.0,
         "top_p": 0.5,
+        "restore_reasoning": False,
         # The config's kwargs over the engine's template defaults, whatever those are.
         "chat_template_kwargs": {"enable_thinking": False, "preserve_thinking": False},
     },
@@ -84,6 +97,45 @@ EXPECTED = {
 def test_models_list_shows_each_local_models_effective_settings(configured):
     data = httpx.get(configured.url + "/v1/models", timeout=30).json()["data"]
     assert {m["id"]: m["settings"] for m in data} == EXPECTED
+    # LM Studio's own list shape shows them too.
+    data = httpx.get(configured.url + "/api/v0/models", timeout=30).json()["data"]
+    assert {m["id"]: m["settings"] for m in data} == EXPECTED
+
+
+def test_restore_reasoning_false_leaves_reasoning_a_client_dropped_out_of_the_prompt(
+    configured, oai
+):
+    """Off for demo-hybrid: the memo still keeps what the model wrote, and puts none back.
+    Its template shows reasoning on turns after the last question, as in a tool loop."""
+
+    def memo() -> dict:
+        stats = httpx.get(configured.url + "/v1/cache/stats", timeout=30).json()
+        return stats["reasoning_memo"]
+
+    thinking = {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}
+    ask = [{"role": "user", "content": "[case=call] hi"}]
+    before = memo()
+    r = oai.chat.completions.create(
+        model="demo-hybrid", messages=ask, tools=[TOOL], max_tokens=60, **thinking
+    )
+    m = r.choices[0].message
+    assert (m.reasoning_content.strip(), m.tool_calls[0].function.name) == ("I look.", "look")
+    deadline = time.monotonic() + 30
+    while memo()["remembered"] == before["remembered"]:  # kept on a pool after the answer
+        assert time.monotonic() < deadline, "the reasoning memo never kept the turn"
+        time.sleep(0.05)
+
+    def prompt_tokens(**reasoning) -> int:
+        turn = {"role": "assistant", "content": m.content or "", **reasoning}
+        turn["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        result = {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "dark"}
+        return oai.chat.completions.create(
+            model="demo-hybrid", messages=[*ask, turn, result], tools=[TOOL], max_tokens=4,
+            **thinking,
+        ).usage.prompt_tokens  # fmt: skip
+
+    assert prompt_tokens() < prompt_tokens(reasoning_content=m.reasoning_content)
+    assert memo()["restored"] == before["restored"]
 
 
 def test_without_temperature_the_configs_greedy_sampling_runs_and_an_explicit_one_wins(oai):
@@ -197,6 +249,7 @@ def test_print_config_and_doctor_show_the_effective_settings(configured):
     [
         ("top_k = 20\ntemprature = 0.6", 'model."demo-*".temprature: unknown key'),
         ("top_k = 20\ntop_p = 1.5", 'model."demo-*".top_p: must be more than 0 and at most 1'),
+        ("top_k = 20\nrestore_reasoning = 1", 'model."demo-*".restore_reasoning: expected'),
     ],
 )
 def test_serve_stops_on_a_bad_key_or_value_naming_it_and_its_line(tmp_path, line, message):
