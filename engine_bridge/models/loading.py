@@ -155,7 +155,7 @@ def load(ref: ModelRef) -> LoadedModel:
         load_s=load_s,
         vision=seeing,
         has_vision_tower=vision.has_vision_tower(config),
-        output_format=OutputFormat.of(tokenizer),
+        output_format=OutputFormat.of(tokenizer, model=ref.id),
         mtp=MTPSource(ref.path, config) if seeing is None and has_head(ref.path, config) else None,
     )
     log.info(

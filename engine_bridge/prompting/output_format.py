@@ -6,6 +6,8 @@ The format is the loaded tokenizer's, as mlx-lm infers it: the reasoning markers
 GLM, Mistral, Kimi, MiniMax, pythonic, ...). mlx-lm's own `TextStateMachine` finds the
 markers in the streamed text and strips them; its parser reads each call. The one family
 mlx-lm 0.32.2 has nothing for, gpt-oss's harmony channels, is mapped here (`harmony.py`).
+A call the model wrote in another family's markup is read by that family's parser
+(`foreign_calls.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Literal
 from mlx_lm.generate import TextStateMachine
 
 from ..types import ToolCall
-from . import harmony
+from . import foreign_calls, harmony
 
 log = logging.getLogger("engine_bridge.output")
 
@@ -57,9 +59,11 @@ class OutputFormat:
     # starts in. Text in a state other than normal, reasoning and tool is dropped.
     response: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
     response_initial: str | None = None
+    # The model's id, for the log lines about its output.
+    model: str = field(default="", compare=False)
 
     @classmethod
-    def of(cls, tokenizer: Any) -> OutputFormat:
+    def of(cls, tokenizer: Any, model: str = "") -> OutputFormat:
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         if harmony.is_harmony_vocab(vocab):
             return cls(family="harmony")
@@ -81,11 +85,25 @@ class OutputFormat:
                 for state, edges in (getattr(tokenizer, "response_transitions", None) or {}).items()
             ),
             response_initial=getattr(tokenizer, "response_initial_state", None),
+            model=model,
         )
 
     @property
     def harmony(self) -> bool:
         return self.family == "harmony"
+
+    @property
+    def routed(self) -> bool:
+        """A response format that enters "tool" itself says where calls start (mlx-lm's rule)."""
+        return any(dst == "tool" for _, edges in self.response for _, dst in edges)
+
+    def foreign(self) -> dict[str, tuple[str, str]]:
+        """Other families' call regions the answer text is watched for, by state (a model
+        with a parser of its own, whose format does not route calls itself)."""
+        if self.tool_parser is None or self.harmony or self.routed:
+            return {}
+        own = (self.tool_call_start, self.tool_call_end, self.think_start, self.think_end)
+        return foreign_calls.regions(own + self.markers)
 
     def opens_in_reasoning(self, prompt_text: str) -> bool:
         """The prompt ends inside an open reasoning block (a template that prefills it)."""
@@ -102,14 +120,17 @@ class OutputFormat:
         if self.think_start and self.think_end:
             transitions["normal"] = [(self.think_start, "reasoning")]
             transitions["reasoning"] = [(self.think_end, "normal")]
-        # A response format that enters "tool" itself says where calls start (mlx-lm's rule).
-        routed = any(dst == "tool" for _, edges in self.response for _, dst in edges)
+        routed = self.routed
         if (tools or routed) and self.tool_call_start:
             if not routed:
                 transitions.setdefault("normal", []).append((self.tool_call_start, "tool"))
             if "reasoning" in transitions:
                 transitions["reasoning"].append((self.tool_call_start, "tool"))
             transitions["tool"] = [(self.tool_call_end, "normal")] if self.tool_call_end else []
+        for state, (start, end) in (self.foreign() if tools else {}).items():
+            # Only from answer text: reasoning that mentions a tag is the model thinking.
+            transitions.setdefault("normal", []).append((start, state))
+            transitions[state] = [(end, "normal")]
         for marker in self.markers:
             transitions.setdefault("normal", []).append((marker, "normal"))
         for state, edges in self.response:
@@ -157,6 +178,7 @@ class OutputParser:
         self._parallel = parallel
         self._calls = 0
         self._sm = fmt.machine(bool(tools)).make_state(initial)
+        self._foreign = fmt.foreign() if tools else {}
         self._state = initial
         self._tool_text = ""
         self._strip = False
@@ -170,6 +192,10 @@ class OutputParser:
     @property
     def calls(self) -> int:
         return self._calls
+
+    @property
+    def _in_call(self) -> bool:
+        return self._state == "tool" or self._state in self._foreign
 
     @property
     def in_reasoning(self) -> bool:
@@ -192,7 +218,7 @@ class OutputParser:
             return []
         self._sm, tail, state = TextStateMachine.flush(self._sm)
         parts = self._take([(state, tail)]) if tail else []
-        if self._state == "tool" or (self._harmony and self._harmony.in_call):
+        if self._in_call or (self._harmony and self._harmony.in_call):
             # A call the output ended inside: complete when the family ends calls with the
             # output (Mistral, harmony's <|call|>), cut off when max_tokens ended it.
             parts += self._end_call(cut_off=finish_reason == "length", closed=False)
@@ -207,7 +233,7 @@ class OutputParser:
             if i > 0:  # a marker closed the span before this one
                 parts += self._close(self._state)
                 self._state = state or "normal"
-                if self._state == "tool":
+                if self._in_call:
                     self._before_call, self._held = self._held, ""
                 elif self._held:
                     parts.append(Part("text", self._held))
@@ -215,7 +241,7 @@ class OutputParser:
             if self._harmony is not None:
                 parts += self._harmony_text(self._state, text)
                 continue
-            if self._state == "tool":
+            if self._in_call:
                 self._tool_text += text
                 continue
             if self._state not in ("normal", "reasoning"):
@@ -237,31 +263,37 @@ class OutputParser:
     def _close(self, state: str) -> list[Part]:
         if self._harmony is not None:
             return self._harmony_close(state)
-        if state == "tool":
+        if state == "tool" or state in self._foreign:
             return self._end_call(cut_off=False, closed=True)
         if state == "reasoning":
             self._strip = True
         return []
 
     def _end_call(self, cut_off: bool, closed: bool) -> list[Part]:
+        own = True
         if self._harmony is not None:
             name, body = self._harmony.take_call()
             markup = body
             calls = None if cut_off else _harmony_call(name, body)
         else:
             body, self._tool_text = self._tool_text, ""
+            own = self._state == "tool"
+            markers = self._foreign.get(
+                self._state, (self._fmt.tool_call_start or "", self._fmt.tool_call_end or "")
+            )
             self._state = "normal"
-            end = (self._fmt.tool_call_end or "") if closed else ""
-            markup = (self._fmt.tool_call_start or "") + body + end
-            calls = None if cut_off else self._parse(body)
-        self._strip = True
+            markup = markers[0] + body + (markers[1] if closed else "")
+            calls = None if cut_off else self._parse(body, markers, own=own, closed=closed)
+        # Another family's tags that held no call are text the model wrote, layout and all.
+        self._strip = own or calls is not None
         if calls is not None:
             self._before_call = ""
         if calls is None:
             why = "cut off by max_tokens" if cut_off else "rejected by the parser"
-            log.warning(
+            log.log(
+                logging.WARNING if own else logging.DEBUG,
                 "a %s tool call was %s; it is returned as text (%d chars)",
-                self._fmt.family,
+                self._fmt.family if own else markers[0],
                 why,
                 len(markup),
             )
@@ -277,7 +309,26 @@ class OutputParser:
             parts.append(Part("tool_call", call=call))
         return parts
 
-    def _parse(self, body: str) -> list[ToolCall] | None:
+    def _parse(
+        self, body: str, markers: tuple[str, str], *, own: bool, closed: bool
+    ) -> list[ToolCall] | None:
+        """The model's own parser's calls; where it finds none that names a tool of the
+        request, another family's parser may read a closed region (foreign_calls.py)."""
+        calls = self._parse_own(body) if own else None
+        tools = self._tools
+        if not closed or not tools:
+            return calls
+        if calls and {c.name for c in calls} <= foreign_calls.tool_names(tools):
+            return calls
+        found = foreign_calls.read(body, markers, self._fmt.tool_parser, tools)
+        if found is None:
+            return calls
+        foreign_calls.warn_once(self._fmt.model, self._fmt.family, found.family)
+        read = [_tool_call(item, tools) for item in found.calls]
+        assert None not in read, (found.family, found.calls)  # read() checked each one
+        return read
+
+    def _parse_own(self, body: str) -> list[ToolCall] | None:
         parser = self._fmt.tool_parser
         assert parser is not None, "a tool span without a parser"
         try:

@@ -137,14 +137,16 @@ class Answer:
     headers: dict[str, str]
 
 
-def ask_openai(url: str, model: str, tag: str, stream: bool, max_tokens: int) -> Answer:
+def ask_openai(
+    url: str, model: str, tag: str, stream: bool, max_tokens: int, tools=TOOLS_OPENAI
+) -> Answer:
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="t", max_retries=0, timeout=120)
     kw = dict(
         model=model,
         messages=[{"role": "user", "content": f"{tag} list the files"}],
-        tools=TOOLS_OPENAI,
+        tools=tools,
         max_tokens=max_tokens,
         temperature=0,
     )
@@ -188,14 +190,16 @@ def ask_openai(url: str, model: str, tag: str, stream: bool, max_tokens: int) ->
     )
 
 
-def ask_anthropic(url: str, model: str, tag: str, stream: bool, max_tokens: int) -> Answer:
+def ask_anthropic(
+    url: str, model: str, tag: str, stream: bool, max_tokens: int, tools=TOOLS_ANTHROPIC
+) -> Answer:
     import anthropic
 
     client = anthropic.Anthropic(base_url=url, api_key="t", max_retries=0, timeout=120)
     kw = dict(
         model=model,
         messages=[{"role": "user", "content": f"{tag} list the files"}],
-        tools=TOOLS_ANTHROPIC,
+        tools=tools,
         max_tokens=max_tokens,
     )
     if not stream:
