@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import specs, tokenizer
+from . import qwen36, specs, tokenizer
 
 logger = logging.getLogger("engine_bridge.models.demo")
 
@@ -32,6 +32,10 @@ MODEL_FILES = (
 def recipe_digest(name: str) -> str:
     """Digest of everything a build of `name` depends on; a stale build is rebuilt."""
     h = hashlib.sha256(f"{RECIPE_VERSION}/{name}".encode())
+    if name in specs.QWEN36_DEMO_IDS:
+        # The real vocabulary: the demo corpus plays no part.
+        h.update(qwen36.recipe_inputs(name))
+        return h.hexdigest()
     h.update(tokenizer.corpus_bytes())
     if name in specs.VISION_DEMO_IDS:
         h.update(tokenizer.chat_template().encode("utf-8"))
@@ -124,6 +128,9 @@ def write_model_files(name: str, out: Path) -> None:
     """Write every file of demo model `name` into the existing directory `out`."""
     if name in specs.VISION_DEMO_IDS:
         _vision_demo_module(name).write_model_files(out)
+        return
+    if name in specs.QWEN36_DEMO_IDS:
+        qwen36.write_model_files(name, out)
         return
     # mlx is imported here, not at module top, so the fast path stays cheap.
     from . import weights

@@ -76,11 +76,15 @@ DEMO_MODEL_IDS: tuple[str, ...] = tuple(_SPECS)
 # Built by demo/vision.py through mlx-vlm, so only with the vision extra; not among the
 # models a server loads when none are named.
 VISION_DEMO_IDS: tuple[str, ...] = ("demo-vision", "demo-vision-hybrid")
+# Qwen3.6-35B-A3B's architecture and real vocabulary at toy size, built by demo/qwen36.py;
+# the 248,320-row embedding and head make them 130 MB (float32) and 20 MB (4-bit), so
+# they are served only when named.
+QWEN36_DEMO_IDS: tuple[str, ...] = ("demo-qwen36", "demo-qwen36-4bit")
 
 
 def is_demo_model(name: str) -> bool:
     """True when `name` is one of the built-in demo model ids."""
-    return name in _SPECS or name in VISION_DEMO_IDS
+    return name in _SPECS or name in VISION_DEMO_IDS or name in QWEN36_DEMO_IDS
 
 
 def chat_template_file(name: str) -> str:

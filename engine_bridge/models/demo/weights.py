@@ -19,6 +19,10 @@ SEED = 20240611
 # the residual stream enough that greedy decoding depends on context, not just the last
 # token (otherwise a random model falls into a one-token loop).
 BRANCH_GAIN = 2.0
+# Read out, not added to the residual: the head's logits, a MoE router's (softmax over the
+# experts) and its shared expert's gate (a sigmoid) stay at unit scale, so routing varies
+# with context instead of saturating on one expert.
+_UNIT_GAIN = ("lm_head.weight", "mlp.gate.weight", "shared_expert_gate.weight")
 
 
 def build_model(config: dict[str, Any]):
@@ -46,8 +50,9 @@ def _init(name: str, value: mx.array, muted_rows: list[int]) -> mx.array:
         return value
     if name.endswith("embed_tokens.weight"):
         return mx.random.normal(value.shape, key=key)
-    fan_in = math.prod(value.shape[1:])
-    gain = 1.0 if name.endswith("lm_head.weight") else BRANCH_GAIN
+    # Stacked experts are [experts, out, in]: each expert's fan-in is its own in-dim.
+    fan_in = value.shape[-1] if ".switch_mlp." in name else math.prod(value.shape[1:])
+    gain = 1.0 if name.endswith(_UNIT_GAIN) else BRANCH_GAIN
     weight = mx.random.normal(value.shape, key=key) * (gain / math.sqrt(fan_in))
     if name.endswith("lm_head.weight") and muted_rows:
         # Zero logits for control/markup tokens: a random model that emitted EOS or
