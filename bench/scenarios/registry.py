@@ -5,7 +5,9 @@ Every server gets the same requests in the same order, one at a time, streaming 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -258,6 +260,9 @@ def agent_templates(settings: Settings, model: ModelSpec) -> list[ScenarioResult
         return [ScenarioResult("agent-templates", "real templates", skipped=reason)]
     root = settings.out / "work" / "agent-templates"
     templates = settings.size(AGENT_TEMPLATES_QUICK, AGENT_TEMPLATES_FULL)
+    if chosen := os.environ.get("MLX_PROMPT_CACHE_BENCH_TEMPLATES"):
+        # e.g. "minimax_m2.jinja,glm_4_7_flash.jinja": other families at --quick sizes.
+        templates = tuple(t.strip() for t in chosen.split(",") if t.strip())
     built = probe("families", str(root / "models"), *templates)["models"]
     out = []
     for m in built:
@@ -304,6 +309,18 @@ def _agent_case(settings: Settings, model: ModelSpec, case: dict) -> ScenarioRes
             play("ours", "no pause", server)
             play("ours", "pause", server, pause_s=lambda t: cold.get(t, 0.0))
             warm = stats(server).get("warm_ahead") or {}
+        if not case.get("flag"):
+            # The trade docs/templates.md names: reasoning the client dropped left out.
+            config = forced.with_name(f"{model.id}-restore-off.toml")
+            config.write_text(f'[model."{model.path.name}"]\nrestore_reasoning = false\n')
+            h.settings = dataclasses.replace(
+                settings, proxy_args=(*settings.proxy_args, "--config", str(config))
+            )
+            try:
+                with h.serve("ours", env) as server:
+                    play("ours", RESTORE_OFF, server)
+            finally:
+                h.settings = settings
         with h.serve("mlx_lm") as server:
             ours = played.get(("ours", "no pause"), [])
             recs = session.replay(server.url, server.model_name, ours, settings.max_tokens)
@@ -314,8 +331,12 @@ def _agent_case(settings: Settings, model: ModelSpec, case: dict) -> ScenarioRes
     return result.finish()
 
 
+RESTORE_OFF = "no pause, restore_reasoning = false"
+_SUFFIX = {"no pause": "", "pause": "-paused", RESTORE_OFF: "-restore-off"}
+
+
 def _agent_samples(h: Harness, result: ScenarioResult, kind: str, label: str, recs) -> None:
-    suffix = "" if label == "no pause" else "-paused"
+    suffix = _SUFFIX[label]
     for i, r in enumerate(recs):
         sample = Sample(
             server=kind, step=i, ttft_s=r.ttft_s, total_s=r.total_s,
@@ -352,6 +373,16 @@ def _agent_rows(result: ScenarioResult, case: dict) -> None:
     )
     tools = per("tool", later=False)
     result.rows.append(Row("tool step: share of its prompt from the cache (mean)", tools))
+    if result.of("ours", "question-restore-off"):
+        note = "the client's dropped reasoning left out ([model] restore_reasoning = false)"
+        result.rows.append(
+            Row("new question, no pause, restore_reasoning = false: share from the cache",
+                per("question-restore-off"), note=note)
+        )  # fmt: skip
+        result.rows.append(
+            Row("tool step, restore_reasoning = false: share from the cache (mean)",
+                per("tool-restore-off", later=False))
+        )  # fmt: skip
     result.metrics["tool_share_min_ours"] = min(
         (s.hit_ratio for s in result.of("ours", "tool") if s.hit_ratio is not None), default=None
     )
@@ -359,7 +390,17 @@ def _agent_rows(result: ScenarioResult, case: dict) -> None:
         ("new question: mean TTFT, no pause (s)", per("question", ttft)),
         ("new question after the pause: mean TTFT (s)", per("question-paused", ttft)),
         ("tool step: mean TTFT (s)", per("tool", ttft, later=False)),
+        (
+            "new question, no pause, restore_reasoning = false: mean TTFT (s)",
+            per("question-restore-off", ttft),
+        ),
+        (
+            "tool step, restore_reasoning = false: mean TTFT (s)",
+            per("tool-restore-off", ttft, later=False),
+        ),
     ):
+        if not values:
+            continue
         ratios = {
             "no-cache / ours": ratio(values.get("nocache"), values.get("ours")),
             "mlx_lm / ours": ratio(values.get("mlx_lm"), values.get("ours")),
