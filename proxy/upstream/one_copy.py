@@ -11,6 +11,7 @@ endpoint or an unreachable one is a warning with the figures, never a failed req
 from __future__ import annotations
 
 import logging
+import re
 from typing import TYPE_CHECKING
 
 import psutil
@@ -25,14 +26,33 @@ if TYPE_CHECKING:
 log = logging.getLogger("proxy.upstream.one_copy")
 
 
+# The quantization LM Studio drops from a download's folder name to make its key: the v0
+# docs list `mlx-community/Qwen2-VL-7B-Instruct-4bit` as `"id": "qwen2-vl-7b-instruct"`
+# beside `"quantization": "4bit"`, so `Qwen3.6-35B-A3B-MLX-4bit` is `qwen3.6-35b-a3b-mlx`.
+_QUANT_TAIL = re.compile(r"-(?:\d+bits?|bf16|fp16|f16|fp8|mxfp4|nvfp4|mxfp8)$")
+_MLX_TAIL = re.compile(r"-mlx$")
+# Whose downloads LM Studio's catalog (model.yaml) lists by its own key: `qwen/qwen3-8b`
+# over `lmstudio-community/Qwen3-8B-MLX-4bit` and its other quantizations.
+CATALOG_PUBLISHER = "lmstudio-community"
+
+
+def _folder(ref: ModelRef) -> tuple[str, str] | None:
+    """(publisher, model dir) of the folder, lower case: LM Studio keeps models in
+    `<models dir>/<publisher>/<model-dir>/`."""
+    if len(ref.path.parts) < 2:
+        return None
+    publisher, name = ref.path.parts[-2:]
+    return publisher.lower(), name.lower()
+
+
 def ref_names(ref: ModelRef) -> set[str]:
     """Names LM Studio could know our model by: its id, and `publisher/model-dir` of its
-    folder (LM Studio keeps models in `<models dir>/<publisher>/<model-dir>/`)."""
+    folder."""
     if ref.is_demo:
         return set()  # built here from random weights; LM Studio never has them
     names = {ref.id.lower()}
-    if len(ref.path.parts) >= 2:
-        names.add("/".join(ref.path.parts[-2:]).lower())
+    if (folder := _folder(ref)) is not None:
+        names.add("/".join(folder))
     return names
 
 
@@ -46,7 +66,23 @@ def lms_names(model: LmsModel) -> set[str]:
 
 
 def same_model(ref: ModelRef, model: LmsModel) -> bool:
-    return bool(ref_names(ref) & lms_names(model))
+    """Whether LM Studio's `model` is our `ref`'s weights: by its key as it is, by the key
+    LM Studio gives the folder's download, or by the catalog key it lists the download by."""
+    names = lms_names(model)
+    if ref_names(ref) & names:
+        return True
+    # LM Studio's own names for an MLX download. Its GGUF of the same model is other
+    # weights, which LM Studio serves itself.
+    folder = _folder(ref)
+    if ref.is_demo or folder is None or model.format not in (None, "mlx"):
+        return False
+    publisher, name = folder
+    bare = _QUANT_TAIL.sub("", name)
+    if f"{publisher}/{bare}" in names:
+        return True
+    # The catalog model over LM Studio's download: `qwen/qwen3.6-35b-a3b`.
+    _, slash, catalog = model.key.lower().partition("/")
+    return publisher == CATALOG_PUBLISHER and bool(slash) and catalog == _MLX_TAIL.sub("", bare)
 
 
 def held_copies(ref: ModelRef, listing: Listing) -> list[LmsModel]:
