@@ -18,6 +18,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_IDS = ("demo-llama", "demo-hybrid", "demo-swa")
+# Our user's model shape (qwen3_5_moe, experts, the 248k vocabulary, an MTP head with
+# experts): every path demo-hybrid takes runs on it too, or its test says why not.
+QWEN36 = "demo-qwen36"
+HYBRID_IDS = ("demo-hybrid", QWEN36)
 # Warming ahead prefills between requests whenever a template rewrote history, so a test's
 # next request would hit deeper than it predicts, by timing. Test servers run without it;
 # the tests of warming ahead pass WARM_AHEAD_ON.
@@ -33,20 +37,25 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def demo_root(tmp_path_factory) -> Path:
-    """A cache dir whose models/ holds the three demo models, built once."""
+    """A cache dir whose models/ holds the demo models, built once."""
     from engine_bridge.models.demo import ensure_demo_model
 
     root = tmp_path_factory.mktemp("demo-root")
-    for name in DEMO_IDS:
+    for name in (*DEMO_IDS, QWEN36):
         ensure_demo_model(name, root)
     return root
 
 
 def fresh_cache_dir(demo_root: Path, dest: Path) -> Path:
-    """A new, empty cache dir that reuses the already-built demo models."""
+    """A new, empty cache dir that reuses the already-built demo models: the small ones
+    copied, demo-qwen36's 130 MB linked (nothing writes into a built model's folder)."""
     dest.mkdir(parents=True, exist_ok=True)
-    if not (dest / "models").exists():
-        shutil.copytree(demo_root / "models", dest / "models")
+    models = dest / "models"
+    if not models.exists():
+        shutil.copytree(demo_root / "models", models, ignore=shutil.ignore_patterns("demo-qwen36*"))
+        for built in (demo_root / "models").glob("demo-qwen36*"):
+            if built.is_dir():
+                (models / built.name).symlink_to(built, target_is_directory=True)
     return dest
 
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import DEMO_IDS, fresh_cache_dir
+from tests.conftest import DEMO_IDS, QWEN36, fresh_cache_dir
 from tests.support.cache_driver import Driver, HitModel, Outcome, common_prefix
 
 SYSTEM = (
@@ -34,6 +34,17 @@ SYSTEM = (
     "recycle them. Write dates as day, month name, year."
 )
 BASE = [{"role": "system", "content": SYSTEM}]
+# Every cache kind, and our user's model shape (experts, the 248k vocabulary).
+MODELS = (*DEMO_IDS, QWEN36)
+# Qwen3.6's 248k vocabulary packs this prose into about half the demo tokenizer's tokens:
+# a test that needs a prompt of so many blocks repeats it that much more.
+PACKING = {QWEN36: 2}
+
+
+def base(model: str) -> list[dict]:
+    return [{"role": "system", "content": " ".join([SYSTEM] * PACKING.get(model, 1))}]
+
+
 _tenants = itertools.count()
 
 
@@ -47,7 +58,7 @@ def assistant(text: str, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def driver(demo_root, tmp_path_factory):
-    d = Driver(fresh_cache_dir(demo_root, tmp_path_factory.mktemp("equivalence")), list(DEMO_IDS))
+    d = Driver(fresh_cache_dir(demo_root, tmp_path_factory.mktemp("equivalence")), list(MODELS))
     yield d
     d.close()
 
@@ -107,10 +118,10 @@ def repeat_hit(chat: Conversation, o: Outcome) -> int:
     return len(o.tokens) - 1
 
 
-@pytest.mark.parametrize("model", DEMO_IDS)
+@pytest.mark.parametrize("model", MODELS)
 def test_multi_turn_chat_with_answers_fed_back_matches_bypass(driver, model):
     chat = Conversation(driver, model)
-    messages = [*BASE, user("My bicycle chain keeps slipping on hills. What should I do?")]
+    messages = [*base(model), user("My bicycle chain keeps slipping on hills. What should I do?")]
     follow_ups = ["How much will that cost?", "Can I pick it up today?", "Who is Ada?"]
     previous = None
     for follow_up in [*follow_ups, None]:
@@ -123,7 +134,7 @@ def test_multi_turn_chat_with_answers_fed_back_matches_bypass(driver, model):
             messages = [*messages, assistant(o.text), user(follow_up)]
 
 
-@pytest.mark.parametrize("model", DEMO_IDS)
+@pytest.mark.parametrize("model", MODELS)
 def test_branch_diverging_mid_block_matches_bypass(driver, model):
     chat = Conversation(driver, model)
     question = "The kitchen clock runs {} minutes fast every day since the battery change."
@@ -139,7 +150,7 @@ def test_branch_diverging_mid_block_matches_bypass(driver, model):
     assert again.cached == repeat_hit(chat, a)
 
 
-@pytest.mark.parametrize("model", DEMO_IDS)
+@pytest.mark.parametrize("model", MODELS)
 def test_supersequence_request_matches_bypass(driver, model):
     chat = Conversation(driver, model)
     first = [*BASE, user("Does the shop fix valve radios from the fifties?")]
@@ -154,7 +165,7 @@ def test_supersequence_request_matches_bypass(driver, model):
     assert d.cached >= len(c.tokens) - 1
 
 
-@pytest.mark.parametrize("model", DEMO_IDS)
+@pytest.mark.parametrize("model", MODELS)
 def test_continuing_the_generated_tokens_resumes_at_the_end_of_generation(driver, model):
     """The state after decoding (single-token steps) is a checkpoint like any other."""
     chat = Conversation(driver, model)
@@ -164,7 +175,7 @@ def test_continuing_the_generated_tokens_resumes_at_the_end_of_generation(driver
     assert b.cached == len(a.tokens) + len(a.out) - 1
 
 
-@pytest.mark.parametrize("model", DEMO_IDS)
+@pytest.mark.parametrize("model", MODELS)
 def test_prefix_and_exact_repeat_match_bypass(driver, model):
     chat = Conversation(driver, model)
     messages = [
@@ -180,7 +191,7 @@ def test_prefix_and_exact_repeat_match_bypass(driver, model):
     assert prefix.cached > 4 * 64
 
 
-@pytest.mark.parametrize("model", DEMO_IDS)
+@pytest.mark.parametrize("model", MODELS)
 def test_edit_in_an_early_message_matches_bypass(driver, model):
     chat = Conversation(driver, model)
     messages = [
@@ -203,7 +214,7 @@ def test_edit_in_an_early_message_matches_bypass(driver, model):
     assert back.cached == repeat_hit(chat, original)
 
 
-@pytest.mark.parametrize("model", DEMO_IDS)
+@pytest.mark.parametrize("model", MODELS)
 def test_template_dropping_earlier_thinking_matches_bypass(driver, model):
     chat = Conversation(driver, model)
     call = {"type": "function", "function": {"name": "price", "arguments": {"part": "chain"}}}
@@ -233,10 +244,10 @@ def test_template_dropping_earlier_thinking_matches_bypass(driver, model):
     assert c.cached >= resumable(b, c)
 
 
-@pytest.mark.parametrize("model", DEMO_IDS)
+@pytest.mark.parametrize("model", MODELS)
 def test_prefill_cancelled_past_a_checkpoint_interval_resumes_there(driver, model):
     chat = Conversation(driver, model)
-    notes = " ".join(f"Note {i}: {SYSTEM}" for i in range(4))
+    notes = " ".join(f"Note {i}: {SYSTEM}" for i in range(4 * PACKING.get(model, 1)))
     messages = [{"role": "system", "content": notes}, user("Which note mentions the van?")]
     # Prefill stops at 512 (a chunk end) and 1024 (a periodic checkpoint), then the client
     # goes away: the request stores what it computed and answers nothing.
@@ -292,7 +303,7 @@ def _child(op: str, parent: list[dict], answer: str, text: str, where: int) -> l
     return list(parent)  # repeat
 
 
-@pytest.mark.parametrize("model", DEMO_IDS)
+@pytest.mark.parametrize("model", MODELS)
 @settings(
     max_examples=8,
     deadline=None,

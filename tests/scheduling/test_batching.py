@@ -25,12 +25,14 @@ from engine_bridge.types import (
     Sampling,
     TokenEvent,
 )
-from tests.conftest import DEMO_IDS, fresh_cache_dir
+from tests.conftest import DEMO_IDS, QWEN36, fresh_cache_dir
 
 # float32 demo models: a row's logits inside a left-padded batch match its logits alone to
 # within rounding. Measured: 0.0 on demo-llama and demo-hybrid, 3.8e-6 on demo-swa (its
 # rotating window re-orders the padded rows), against logits of magnitude up to ~8.
 MAX_LOGIT_DIFF = 1e-4
+# And our user's model shape: its experts (SwitchGLU's gather_mm) route each row alone.
+MODELS = (*DEMO_IDS, QWEN36)
 
 PROMPTS = [
     "Tell me about the sea.",
@@ -69,7 +71,7 @@ def make_engine(demo_root: Path, tmp_path: Path):
 
     def make(**settings) -> tuple[asyncio.Runner, Engine]:
         cache_dir = fresh_cache_dir(demo_root, tmp_path / f"cache{len(engines)}")
-        defaults = {"ssd_enabled": False, "model_specs": list(DEMO_IDS)}
+        defaults = {"ssd_enabled": False, "model_specs": list(MODELS)}
         engine = Engine(EngineSettings(cache_dir=cache_dir, **(defaults | settings)))
         engines.append(engine)
         return loop, engine
@@ -83,7 +85,7 @@ def make_engine(demo_root: Path, tmp_path: Path):
 # --- kv.Batch: a row inside a batch computes what it computes alone -------------------------
 
 
-@pytest.mark.parametrize("model_id", DEMO_IDS)
+@pytest.mark.parametrize("model_id", MODELS)
 def test_batched_logits_match_alone_within_rounding(demo_root, model_id):
     model = models.load(models.resolve(model_id, demo_root, [])).model
     # Different lengths, so the batch left-pads; one is past demo-swa's sliding window.
@@ -135,7 +137,7 @@ def test_batch_blocker_names_what_cannot_batch():
 # --- the engine: batched greedy output equals each request alone ---------------------------
 
 
-@pytest.mark.parametrize("model_id", DEMO_IDS)
+@pytest.mark.parametrize("model_id", MODELS)
 def test_concurrent_greedy_output_equals_alone(make_engine, model_id):
     loop, engine = make_engine()
     alone = [loop.run(_collect(engine, _request(model_id, p))) for p in PROMPTS]
@@ -150,6 +152,23 @@ def test_concurrent_greedy_output_equals_alone(make_engine, model_id):
     stats = engine.stats()["scheduler"]
     assert stats["largest_batch"] >= 2, stats  # they really shared decode steps
     assert stats["decode_tokens"] > stats["decode_steps"]
+
+
+@pytest.mark.parametrize("size", [1, 3, 8])
+def test_qwen36_batches_of_one_to_eight_equal_each_request_alone(make_engine, size):
+    """Experts in a batch: each row is routed to its own top-2 of 8, whatever its
+    neighbours; the 248k-row head is read for each row."""
+    loop, engine = make_engine(max_batch=8)
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} ({i})" for i in range(size)]
+    alone = [loop.run(_collect(engine, _request(QWEN36, p, n=8))) for p in prompts]
+
+    async def together():
+        return await asyncio.gather(*[_collect(engine, _request(QWEN36, p, n=8)) for p in prompts])
+
+    batched = loop.run(together())
+    assert [t for t, _ in batched] == [t for t, _ in alone]
+    stats = engine.stats()["scheduler"]
+    assert stats["largest_batch"] >= min(size, 2), stats
 
 
 def test_cached_output_equals_bypass_inside_a_batch(make_engine):

@@ -21,7 +21,7 @@ from engine_bridge.scheduling.forced_output import ENV
 from engine_bridge.scheduling.runner import Runner
 from engine_bridge.scheduling.speculation.control import Mode, SpeculativeSettings
 from engine_bridge.types import GenerationRequest, GenerationResult, Message, Sampling
-from tests.conftest import DEMO_IDS, fresh_cache_dir
+from tests.conftest import DEMO_IDS, QWEN36, fresh_cache_dir
 
 K = 4
 PROMPTS: dict[int, list[int]] = {}  # the prompt tokens of each request _generate ran
@@ -126,7 +126,7 @@ def _build(demo_root, where, model_ids) -> Engine:
 
 @pytest.fixture
 def engine(demo_root, tmp_path):
-    e = _build(demo_root, tmp_path / "cache", DEMO_IDS)
+    e = _build(demo_root, tmp_path / "cache", (*DEMO_IDS, QWEN36))
     yield e
     asyncio.run(e.close())
 
@@ -135,7 +135,9 @@ def _run(coro):
     return asyncio.run(coro)
 
 
-@pytest.mark.parametrize("model", DEMO_IDS)
+# demo-qwen36: a verify pass through its experts, whatever the drafter; its batches run
+# speculation through the MTP head (test_speculative_mtp.py), at a third of the cost here.
+@pytest.mark.parametrize("model", [*DEMO_IDS, QWEN36])
 def test_greedy_output_is_plain_decode_whatever_the_drafter(engine, model):
     spec = engine.scheduler.settings.speculation
     stats = engine.scheduler.stats

@@ -25,7 +25,7 @@ from engine_bridge.scheduling.speculation.control import Mode, SpeculativeSettin
 from engine_bridge.scheduling.speculation.drafters import PromptLookup
 from engine_bridge.scheduling.speculation.mtp import MTPDrafter
 from engine_bridge.types import Message, Sampling
-from tests.conftest import fresh_cache_dir
+from tests.conftest import QWEN36, fresh_cache_dir
 from tests.scheduling.test_speculative import K, _generate, _request, _run
 
 # A tiny Qwen3.5-MoE text config: what the head's layer is built from.
@@ -178,6 +178,16 @@ def test_no_head_without_its_tensors_or_its_config_key(tmp_path):
 # --- on demo-hybrid's head ------------------------------------------------------------------
 
 MODEL = "demo-hybrid"
+# The heads: demo-hybrid's dense one, and demo-qwen36's with experts (stored per expert,
+# stacked into switch_mlp by the loader), behind a 248k-row head.
+HEADS = (MODEL, QWEN36)
+# Output lengths on demo-qwen36, shorter: each of its steps reads the 248k-row head for
+# the model and again for the draft, ~8x demo-hybrid's step on this CPU.
+SHORT = {QWEN36: 0.4}
+
+
+def _n(model: str, n: int) -> int:
+    return max(1, round(n * SHORT.get(model, 1.0)))
 
 
 class Watched(MTPDrafter):
@@ -250,13 +260,17 @@ def _check_in_step(drafter: Watched, out: list[int], loaded, start: int = 0) -> 
         assert draft == offline[position - 1 - start], (position, done)
 
 
-def test_greedy_output_with_the_head_is_plain_decode(demo_root, tmp_path):
-    engine = _engine(demo_root, tmp_path / "c", prefill_chunk=64)  # the head primes in chunks
+@pytest.mark.parametrize("model", HEADS)
+def test_greedy_output_with_the_head_is_plain_decode(demo_root, tmp_path, model):
+    engine = _engine(
+        demo_root, tmp_path / "c", models=(model,), prefill_chunk=64
+    )  # the head primes in chunks
     stats = engine.scheduler.stats
 
     async def scenario():
-        loaded = await engine.load(MODEL)
-        plain, _ = await _generate(engine, _request(MODEL, speculative=False, use_cache=False))
+        loaded = await engine.load(model)
+        n = max(72, _n(model, 96))  # past the 64-token prefill chunk the head primes in
+        plain, _ = await _generate(engine, _request(model, speculative=False, n=n, use_cache=False))
         seen = {}
         spec = engine.scheduler.settings.speculation
         spec.min_draft = spec.max_draft = K
@@ -264,7 +278,7 @@ def test_greedy_output_with_the_head_is_plain_decode(demo_root, tmp_path):
                          ("oracle", {"truth": plain, "seed": 3})]:  # fmt: skip
             made = _watch_drafters(engine, loaded, **kw)
             before = (stats.spec_drafted, stats.spec_accepted)
-            out, _ = await _generate(engine, _request(MODEL, use_cache=False))
+            out, _ = await _generate(engine, _request(model, n=n, use_cache=False))
             seen[name] = (out, made[0], before, (stats.spec_drafted, stats.spec_accepted))
         return loaded, plain, seen
 
@@ -283,8 +297,9 @@ def test_greedy_output_with_the_head_is_plain_decode(demo_root, tmp_path):
     assert after[1] - before[1] > len(plain) / 2
 
 
-def test_batches_of_one_to_four_match_plain_decode_row_for_row(demo_root, tmp_path):
-    engine = _engine(demo_root, tmp_path / "c")
+@pytest.mark.parametrize("model", HEADS)
+def test_batches_of_one_to_four_match_plain_decode_row_for_row(demo_root, tmp_path, model):
+    engine = _engine(demo_root, tmp_path / "c", models=(model,))
     stats = engine.scheduler.stats
 
     async def scenario():
@@ -292,11 +307,11 @@ def test_batches_of_one_to_four_match_plain_decode_row_for_row(demo_root, tmp_pa
         for rows in range(1, 5):
             # Different lengths: the batch shrinks, and its last row decodes alone, its
             # head started over where it left the batch.
-            lengths = [30 + 30 * i for i in range(rows)]
-            plain = [(await _generate(engine, _request(MODEL, i, False, n, use_cache=False)))[0]
+            lengths = [_n(model, 30 + 30 * i) for i in range(rows)]
+            plain = [(await _generate(engine, _request(model, i, False, n, use_cache=False)))[0]
                      for i, n in enumerate(lengths)]  # fmt: skip
             together = await asyncio.gather(
-                *(_generate(engine, _request(MODEL, i, True, n, use_cache=False))
+                *(_generate(engine, _request(model, i, True, n, use_cache=False))
                   for i, n in enumerate(lengths))
             )  # fmt: skip
             results[rows] = (plain, [t[0] for t in together])
@@ -310,17 +325,18 @@ def test_batches_of_one_to_four_match_plain_decode_row_for_row(demo_root, tmp_pa
     assert stats.spec_rounds > 0
 
 
-def test_a_cache_hit_then_the_head_gives_what_plain_gives(demo_root, tmp_path):
+@pytest.mark.parametrize("model", HEADS)
+def test_a_cache_hit_then_the_head_gives_what_plain_gives(demo_root, tmp_path, model):
     """A restored sequence's head starts at the restore point (its K/V is not cached) and
     drafts over what it was fed from there; the output is plain decode's."""
 
     async def two_turns(name: str, speculative: bool):
-        engine = _engine(demo_root, tmp_path / name)
+        engine = _engine(demo_root, tmp_path / name, models=(model,))
         try:
-            loaded = await engine.load(MODEL)
+            loaded = await engine.load(model)
             made = _watch_drafters(engine, loaded)
-            first, r1 = await _generate(engine, _request(MODEL, 7, speculative))
-            follow = _request(MODEL, 7, speculative)
+            first, r1 = await _generate(engine, _request(model, 7, speculative, _n(model, 96)))
+            follow = _request(model, 7, speculative, _n(model, 96))
             follow.messages = [*follow.messages, Message("assistant", r1.text),
                                Message("user", "and again")]  # fmt: skip
             second, r2 = await _generate(engine, follow)
