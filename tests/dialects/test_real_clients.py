@@ -21,12 +21,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Server, fresh_cache_dir, start_server
+from tests.conftest import QWEN36, Server, fresh_cache_dir, start_server
 from tests.support import clients
 
 pytestmark = pytest.mark.slow
 
-MODEL = "demo-hybrid"
+# demo-hybrid, and our user's model shape (experts, the real Qwen3.6 vocabulary).
+MODELS = ("demo-hybrid", QWEN36)
 # The command's output, not its text, holds TOOL_RAN ('tool-%s' + 'ran'), so the final answer
 # is forced only once the second request carries the tool's real output.
 COMMAND = "touch marker.txt && printf 'tool-%s\\n' ran"
@@ -37,28 +38,30 @@ CLAUDE = clients.claude_code()
 CODEX = clients.codex()
 
 
-def serve_forced(demo_root: Path, tmp_path: Path, entries: list[tuple[str, str]]) -> Server:
+def serve_forced(
+    demo_root: Path, tmp_path: Path, entries: list[tuple[str, str]], model: str
+) -> Server:
     forced = clients.write_forced_outputs(tmp_path / "forced.json", entries)
     cache_dir = fresh_cache_dir(demo_root, tmp_path / "cache")
     return start_server(
         cache_dir,
         "--model",
-        MODEL,
+        model,
         "--upstream",
         "http://127.0.0.1:9",
         env={clients.FORCE_OUTPUT_ENV: str(forced)},
     )
 
 
-def requests_seen(server: Server) -> list[dict]:
+def requests_seen(server: Server, model: str) -> list[dict]:
     """The server's request log for the model, oldest first."""
     records = httpx.get(server.url + "/v1/cache/requests", timeout=10).json()["requests"]
-    return sorted((r for r in records if r["model"] == MODEL), key=lambda r: r["time"])
+    return sorted((r for r in records if r["model"] == model), key=lambda r: r["time"])
 
 
-def assert_tool_loop_hit(server: Server, run: clients.Run) -> list[dict]:
+def assert_tool_loop_hit(server: Server, run: clients.Run, model: str) -> list[dict]:
     """Two requests, the second (carrying the tool's output) served from the first's cache."""
-    seen = requests_seen(server)
+    seen = requests_seen(server, model)
     context = f"{run.describe()}\n--- requests\n{json.dumps(seen, indent=1)}"
     assert len(seen) >= 2, f"expected the CLI's two requests\n{context}"
     first, last = seen[0], seen[-1]
@@ -71,7 +74,8 @@ def assert_tool_loop_hit(server: Server, run: clients.Run) -> list[dict]:
 
 
 @pytest.mark.skipif(CLAUDE.path is None, reason=CLAUDE.why_missing or "-")
-def test_claude_code_runs_a_bash_call_and_turn_two_hits_the_cache(demo_root, tmp_path):
+@pytest.mark.parametrize("model", MODELS)
+def test_claude_code_runs_a_bash_call_and_turn_two_hits_the_cache(demo_root, tmp_path, model):
     prompt = "Create the marker file for this run with one Bash command, then say so."
     final = "Marker created. REAL-CLAUDE-CODE-DONE"
     server = serve_forced(
@@ -89,6 +93,7 @@ def test_claude_code_runs_a_bash_call_and_turn_two_hits_the_cache(demo_root, tmp
             ),
             (TOOL_RAN, clients.forced_turn("The command ran.", final)),
         ],
+        model,
     )
     cwd = tmp_path / "project"
     cwd.mkdir()
@@ -99,7 +104,7 @@ def test_claude_code_runs_a_bash_call_and_turn_two_hits_the_cache(demo_root, tmp
             cwd=cwd,
             home=tmp_path / "home",
             base_url=server.url,
-            model=MODEL,
+            model=model,
             timeout=RUN_TIMEOUT_S,
         )
         context = f"{run.describe()}\n--- server log (tail)\n{server.log()[-4000:]}"
@@ -131,7 +136,7 @@ def test_claude_code_runs_a_bash_call_and_turn_two_hits_the_cache(demo_root, tmp
         # Claude Code saw the hit in the Messages API's own usage fields.
         usages = [e["message"]["usage"] for e in run.events if e.get("type") == "assistant"]
         assert usages[-1].get("cache_read_input_tokens", 0) > 0, context
-        assert_tool_loop_hit(server, run)
+        assert_tool_loop_hit(server, run, model)
     finally:
         server.stop()
 
@@ -145,7 +150,8 @@ def codex_items(run: clients.Run, kind: str) -> list[dict]:
 
 
 @pytest.mark.skipif(CODEX.path is None, reason=CODEX.why_missing or "-")
-def test_codex_runs_an_exec_command_call_and_turn_two_hits_the_cache(demo_root, tmp_path):
+@pytest.mark.parametrize("model", MODELS)
+def test_codex_runs_an_exec_command_call_and_turn_two_hits_the_cache(demo_root, tmp_path, model):
     prompt = "Create the marker file for this run with one shell command, then say so."
     final = "Marker created. REAL-CODEX-DONE"
     server = serve_forced(
@@ -161,6 +167,7 @@ def test_codex_runs_an_exec_command_call_and_turn_two_hits_the_cache(demo_root, 
             ),
             (TOOL_RAN, clients.forced_turn("The command ran.", final)),
         ],
+        model,
     )
     cwd = tmp_path / "project"
     cwd.mkdir()
@@ -171,7 +178,7 @@ def test_codex_runs_an_exec_command_call_and_turn_two_hits_the_cache(demo_root, 
             cwd=cwd,
             home=tmp_path / "home",
             base_url=server.url,
-            model=MODEL,
+            model=model,
             timeout=RUN_TIMEOUT_S,
         )
         context = f"{run.describe()}\n--- server log (tail)\n{server.log()[-4000:]}"
@@ -191,6 +198,6 @@ def test_codex_runs_an_exec_command_call_and_turn_two_hits_the_cache(demo_root, 
         assert done, context
         # Codex saw the hit in the Responses API's usage (input_tokens_details.cached_tokens).
         assert done[-1]["usage"].get("cached_input_tokens", 0) > 0, context
-        assert_tool_loop_hit(server, run)
+        assert_tool_loop_hit(server, run, model)
     finally:
         server.stop()

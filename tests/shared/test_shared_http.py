@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.scenarios.shared_relay import DelayRelay
 from tests.cache.test_cache_http import ask_openai, long_system
-from tests.conftest import fresh_cache_dir, start_server
+from tests.conftest import QWEN36, fresh_cache_dir, start_server
 from tests.support.redis_helpers import REDIS_SERVER, SKIP_REASON, RedisServer
 
 LLAMA, HYBRID = "demo-llama", "demo-hybrid"
@@ -46,7 +46,8 @@ def proxy(demo_root, tmp_path_factory, name: str, url: str, **env: str):
         "MLX_PROMPT_CACHE_CACHE_SSD_CHECKPOINT_WRITE_DELAY": "0",
         **env,
     }
-    return start_server(cache, "--upstream", "http://127.0.0.1:9", env=settings)
+    served = [arg for model in (LLAMA, HYBRID, QWEN36) for arg in ("--model", model)]
+    return start_server(cache, "--upstream", "http://127.0.0.1:9", *served, env=settings)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-@pytest.mark.parametrize("model", [LLAMA, HYBRID])
+@pytest.mark.parametrize("model", [LLAMA, HYBRID, QWEN36])
 def test_a_prompt_computed_on_a_is_served_to_b_from_shared(pair, model):
     a, b = pair
     system = long_system(40, salt=f"{model} shared ")

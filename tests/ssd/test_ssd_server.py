@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.conftest import fresh_cache_dir, start_server
+from tests.conftest import QWEN36, fresh_cache_dir, start_server
 from tests.support.ssd_server_helpers import (
     HYBRID,
     LLAMA,
@@ -46,15 +46,20 @@ from tests.support.ssd_server_helpers import (
 
 # -- 1. warm restart -------------------------------------------------------------------------
 
+# Every cache kind, and our user's model shape: its DeltaNet checkpoints, experts and 248k
+# vocabulary come back from SSD alike.
+RESTARTED = (LLAMA, HYBRID, SWA, QWEN36)
+
 
 @pytest.fixture(scope="module")
 def restarted(demo_root, tmp_path_factory):
     """Three turns per demo model on one server, SIGTERM, a new server on the same dir."""
     cache_dir = fresh_cache_dir(demo_root, tmp_path_factory.mktemp("ssd-restart"))
-    first = start_server(cache_dir, *NO_UPSTREAM)
+    served = [arg for model in RESTARTED for arg in ("--model", model)]
+    first = start_server(cache_dir, *NO_UPSTREAM, *served)
     conversations = {}
     try:
-        for model in (LLAMA, HYBRID, SWA):
+        for model in RESTARTED:
             conv = Conversation(model, system_prompt())
             for turn in range(3):
                 reply = conv.ask(first.url, QUESTIONS[turn])
@@ -63,14 +68,14 @@ def restarted(demo_root, tmp_path_factory):
         written = stats(first)["ssd"]
     finally:
         first.stop(signal.SIGTERM)
-    second = start_server(cache_dir, *NO_UPSTREAM)
+    second = start_server(cache_dir, *NO_UPSTREAM, *served)
     try:
         yield second, conversations, written
     finally:
         second.stop()
 
 
-@pytest.mark.parametrize("model", [LLAMA, HYBRID, SWA])
+@pytest.mark.parametrize("model", RESTARTED)
 def test_restart_answers_turn_4_from_ssd_like_bypass(restarted, model):
     server, conversations, _ = restarted
     conv = conversations[model]
