@@ -29,7 +29,7 @@ SCENARIOS = (
     "vision",
     "speculative",
 )
-HYBRID_DEFAULT = ("demo-hybrid", "demo-swa")
+HYBRID_DEFAULT = ("demo-hybrid", "demo-swa", "demo-qwen36")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=list(HYBRID_DEFAULT),
         metavar="ID_OR_PATH",
-        help="models of the hybrid scenario (default demo-hybrid demo-swa)",
+        help="models of the hybrid scenario (default demo-hybrid demo-swa demo-qwen36)",
     )
     p.add_argument(
         "--proxy-args",

@@ -38,7 +38,8 @@ from engine_bridge.ops.blas import cpu_blas, mapped_blas, openblas_env
 from ..results import Number, Row, Sample, ScenarioResult, median, ratio
 from ..servers import REPO
 
-MODELS = ("demo-llama", "demo-hybrid", "demo-swa")
+# demo-qwen36: a verify pass through experts and a 248k-row head, our user's model shape.
+MODELS = ("demo-llama", "demo-hybrid", "demo-swa", "demo-qwen36")
 CONFIGS = ("off", "lookup", "oracle", "wrong")
 LABELS = {
     "off": "speculation off",

@@ -287,17 +287,24 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
+# demo-hybrid, and demo-qwen36: our user's model shape, whose entries are the real layout's.
+WEAR_MODELS = ("demo-hybrid", "demo-qwen36")
+
+
 def scenario(settings, model) -> Any:
-    """The bench's `wear` scenario: this module's run on demo-hybrid (its own process, as
-    the engine needs), priced at the qwen3.6-35b-a3b entry sizes, in the bench report."""
+    """The bench's `wear` scenario: this module's run on each of WEAR_MODELS (its own
+    process, as the engine needs), priced at the qwen3.6-35b-a3b entry sizes."""
+    return [_one(settings, hybrid) for hybrid in WEAR_MODELS]
+
+
+def _one(settings, hybrid: str) -> Any:
     import subprocess
 
     from ..results import Row, ScenarioResult, ratio
 
-    hybrid = "demo-hybrid"
     result = ScenarioResult("wear", hybrid)
     turns = settings.size(12, 50)
-    out = settings.out / "wear"
+    out = settings.out / "wear" / hybrid
     cmd = [sys.executable, "-m", "bench.scenarios.wear", "--model", hybrid, "--turns", str(turns)]
     cmd += ["--out", str(out), "--label", "bench", "--seed", str(settings.seed)]
     settings.progress(f"[wear] {turns}-turn session per write policy on {hybrid}")
@@ -334,7 +341,7 @@ def scenario(settings, model) -> Any:
         )
     )
     result.notes.append(
-        "Entry counts from demo-hybrid, priced at qwen3.6-35b-a3b's sizes: a 64-token block "
+        f"Entry counts from {hybrid}, priced at qwen3.6-35b-a3b's sizes: a 64-token block "
         f"{s['final_kv'] // max(1, rows[0]['final_prompt_tokens'] // BLOCK_TOKENS):,} B, "
         f"a checkpoint {s['checkpoint']:,} B (python -m bench.scenarios.wear; README, SSD wear)."
     )

@@ -62,7 +62,7 @@ def ensure_demo_model(name: str, root: Path) -> Path:
     """Return `root/models/name`, building it first if it is missing or stale."""
     if not specs.is_demo_model(name):
         raise ValueError(
-            f"unknown demo model {name!r}; valid ids: {', '.join(specs.DEMO_MODEL_IDS)}"
+            f"unknown demo model {name!r}; valid ids: {', '.join(specs.ALL_DEMO_IDS)}"
         )
     models_dir = Path(root).expanduser() / "models"
     final = models_dir / name

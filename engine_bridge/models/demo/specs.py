@@ -82,9 +82,12 @@ VISION_DEMO_IDS: tuple[str, ...] = ("demo-vision", "demo-vision-hybrid")
 QWEN36_DEMO_IDS: tuple[str, ...] = ("demo-qwen36", "demo-qwen36-4bit")
 
 
+ALL_DEMO_IDS: tuple[str, ...] = (*DEMO_MODEL_IDS, *QWEN36_DEMO_IDS, *VISION_DEMO_IDS)
+
+
 def is_demo_model(name: str) -> bool:
     """True when `name` is one of the built-in demo model ids."""
-    return name in _SPECS or name in VISION_DEMO_IDS or name in QWEN36_DEMO_IDS
+    return name in ALL_DEMO_IDS
 
 
 def chat_template_file(name: str) -> str:
