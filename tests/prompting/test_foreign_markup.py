@@ -16,7 +16,7 @@ import pytest
 
 from engine_bridge.models.demo import families, real_templates
 from engine_bridge.prompting.output_format import OutputFormat, merge
-from tests.conftest import fresh_cache_dir, start_server
+from tests.conftest import QWEN36, fresh_cache_dir, start_server
 from tests.prompting import test_tool_formats as tf
 from tests.support.clients import forced_turn
 
@@ -68,11 +68,12 @@ WARNING = (
 
 @pytest.fixture(scope="module")
 def foreign_server(demo_root, tmp_path_factory):
-    """demo-hybrid, and a model on Qwen3.6's real template where it is present."""
+    """demo-hybrid, demo-qwen36 (the real vocabulary, where `<tool_call>` is one token),
+    and a model on Qwen3.6's real template where it is present."""
     root = tmp_path_factory.mktemp("foreign")
     forced = root / "forced.json"
     forced.write_text(json.dumps({"outputs": [{"match": m, "text": t} for m, t in FORCED]}))
-    args = ["--upstream", "http://127.0.0.1:9", "--model", "demo-hybrid"]
+    args = ["--upstream", "http://127.0.0.1:9", "--model", "demo-hybrid", "--model", QWEN36]
     if REAL_QWEN36.is_file():
         path = families.write_family_model(root / "models" / "qwen3_6", "qwen3_coder", REAL_QWEN36)
         args += ["--model", str(path)]
@@ -95,7 +96,7 @@ def ask(server, model: str, case: str, dialect: str, stream: bool) -> tf.Answer:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("dialect", ["openai", "anthropic"])
-@pytest.mark.parametrize("name", ["demo-hybrid", "qwen3_6"])
+@pytest.mark.parametrize("name", ["demo-hybrid", QWEN36, "qwen3_6"])
 def test_hermes_json_under_qwen36_comes_back_as_a_structured_call(
     foreign_server, name, dialect, stream
 ):
@@ -110,10 +111,11 @@ def test_hermes_json_under_qwen36_comes_back_as_a_structured_call(
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("dialect", ["openai", "anthropic"])
 @pytest.mark.parametrize(("case", "text"), [("prose", PROSE), ("unoffered", UNOFFERED)])
+@pytest.mark.parametrize("model", ["demo-hybrid", QWEN36])
 def test_text_that_shows_the_tag_without_an_offered_call_stays_text(
-    foreign_server, case, text, dialect, stream
+    foreign_server, case, text, dialect, stream, model
 ):
-    answer = ask(foreign_server, "demo-hybrid", case, dialect, stream)
+    answer = ask(foreign_server, model, case, dialect, stream)
     assert (answer.calls, answer.text) == ([], text), answer
     assert answer.stop == {"openai": "stop", "anthropic": "end_turn"}[dialect]
 

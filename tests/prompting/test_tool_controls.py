@@ -2,7 +2,9 @@
 
 demo-hybrid speaks Qwen3.6's format (its template opens `<think>` in the generation
 prompt); the forced-output hook makes it write exactly the given text, so each test sees
-what a switch changed in the prompt or in the tokens the model could take.
+what a switch changed in the prompt or in the tokens the model could take. Each test runs
+on demo-qwen36 too: the same template over the real vocabulary, where `<think>` and
+`<tool_call>` are single tokens that the output rules open, ban and stop on.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.conftest import fresh_cache_dir, start_server
+from tests.conftest import HYBRID_IDS, fresh_cache_dir, start_server
 
 TOOLS = [
     {
@@ -47,14 +49,21 @@ def ctl_server(demo_root, tmp_path_factory):
     forced = root / "forced.json"
     forced.write_text(json.dumps({"outputs": FORCED}))
     cache_dir = fresh_cache_dir(demo_root, root / "cache")
+    served = [arg for m in HYBRID_IDS for arg in ("--model", m)]
     server = start_server(
         cache_dir,
         "--upstream",
         "http://127.0.0.1:9",
+        *served,
         env={"MLX_PROMPT_CACHE_FORCE_OUTPUT": str(forced)},
     )
     yield server
     server.stop()
+
+
+@pytest.fixture(params=HYBRID_IDS)
+def model(request) -> str:
+    return request.param
 
 
 @pytest.fixture
@@ -71,16 +80,16 @@ def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def test_thinking_on_by_default_the_open_think_makes_the_answer_reasoning(ant):
-    msg = ant.messages.create(model="demo-hybrid", max_tokens=50, messages=user("[case=hello] hi"))
+def test_thinking_on_by_default_the_open_think_makes_the_answer_reasoning(ant, model):
+    msg = ant.messages.create(model=model, max_tokens=50, messages=user("[case=hello] hi"))
     assert [(b.type, getattr(b, "thinking", None)) for b in msg.content] == [
         ("thinking", "Hello there.")
     ]
 
 
-def test_anthropic_thinking_disabled_reaches_the_templates_enable_thinking(ant):
+def test_anthropic_thinking_disabled_reaches_the_templates_enable_thinking(ant, model):
     msg = ant.messages.create(
-        model="demo-hybrid",
+        model=model,
         max_tokens=50,
         messages=user("[case=hello] hi"),
         thinking={"type": "disabled"},
@@ -96,17 +105,17 @@ def test_anthropic_thinking_disabled_reaches_the_templates_enable_thinking(ant):
     ],
     ids=["reasoning_effort", "chat_template_kwargs"],
 )
-def test_openai_switches_turn_thinking_off(oai, extra):
+def test_openai_switches_turn_thinking_off(oai, extra, model):
     r = oai.chat.completions.create(
-        model="demo-hybrid", max_tokens=50, messages=user("[case=hello] hi"), temperature=0, **extra
+        model=model, max_tokens=50, messages=user("[case=hello] hi"), temperature=0, **extra
     )
     m = r.choices[0].message
     assert (m.content, getattr(m, "reasoning_content", None)) == ("Hello there.", None)
 
 
-def test_two_parallel_calls_each_get_their_own_index_and_block(oai, ant):
+def test_two_parallel_calls_each_get_their_own_index_and_block(oai, ant, model):
     r = oai.chat.completions.create(
-        model="demo-hybrid",
+        model=model,
         max_tokens=200,
         messages=user("[case=two] go"),
         tools=TOOLS,
@@ -120,14 +129,14 @@ def test_two_parallel_calls_each_get_their_own_index_and_block(oai, ant):
     assert r.choices[0].message.reasoning_content == "Two calls.\n"
     assert r.choices[0].message.content.strip() == "Let me look."  # text before a call is kept
     msg = ant.messages.create(
-        model="demo-hybrid", max_tokens=200, messages=user("[case=two] go"), tools=A_TOOLS
+        model=model, max_tokens=200, messages=user("[case=two] go"), tools=A_TOOLS
     )
     assert [b.type for b in msg.content] == ["thinking", "text", "tool_use", "tool_use"]
 
 
-def test_parallel_off_keeps_the_first_call_in_both_dialects(oai, ant):
+def test_parallel_off_keeps_the_first_call_in_both_dialects(oai, ant, model):
     r = oai.chat.completions.create(
-        model="demo-hybrid",
+        model=model,
         max_tokens=200,
         messages=user("[case=two] go"),
         tools=TOOLS,
@@ -135,7 +144,7 @@ def test_parallel_off_keeps_the_first_call_in_both_dialects(oai, ant):
     )
     assert [c.function.name for c in r.choices[0].message.tool_calls] == ["Bash"]
     msg = ant.messages.create(
-        model="demo-hybrid",
+        model=model,
         max_tokens=200,
         messages=user("[case=two] go"),
         tools=A_TOOLS,
@@ -144,13 +153,13 @@ def test_parallel_off_keeps_the_first_call_in_both_dialects(oai, ant):
     assert [b.name for b in msg.content if b.type == "tool_use"] == ["Bash"]
 
 
-def test_required_and_named_tool_choice_open_the_answer_with_the_call(oai, ctl_server):
+def test_required_and_named_tool_choice_open_the_answer_with_the_call(oai, ctl_server, model):
     """Unforced random weights: the answer still opens with the call marker and, for a named
     tool, the family's header naming it (the rest is the random model's)."""
     import httpx
 
     body = {
-        "model": "demo-hybrid",
+        "model": model,
         "max_tokens": 12,
         "messages": user("unforced please"),
         "tools": TOOLS,
@@ -170,10 +179,10 @@ def test_required_and_named_tool_choice_open_the_answer_with_the_call(oai, ctl_s
         assert content.startswith(opening), content
 
 
-def test_bad_tool_choice_is_a_4xx_naming_the_field(oai, ant):
+def test_bad_tool_choice_is_a_4xx_naming_the_field(oai, ant, model):
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         oai.chat.completions.create(
-            model="demo-hybrid",
+            model=model,
             max_tokens=5,
             messages=user("x"),
             tools=TOOLS,
@@ -181,11 +190,11 @@ def test_bad_tool_choice_is_a_4xx_naming_the_field(oai, ant):
         )
     with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
         oai.chat.completions.create(
-            model="demo-hybrid", max_tokens=5, messages=user("x"), reasoning_effort="lots"
+            model=model, max_tokens=5, messages=user("x"), reasoning_effort="lots"
         )
     with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
         ant.messages.create(
-            model="demo-hybrid",
+            model=model,
             max_tokens=5,
             messages=user("x"),
             tools=A_TOOLS,
