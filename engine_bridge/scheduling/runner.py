@@ -325,10 +325,12 @@ class Runner(Decoding):
                     model(mx.array(seq.tokens[seq.position : end])[None], cache=seq.cache)
                 else:
                     # Prime the head along the prompt: each position's hidden state with
-                    # the token after it (the chunk ends before the last prompt token).
+                    # the token after it (the chunk ends before the last prompt token);
+                    # only the last chunk's draft is read.
                     hidden = head.backbone(mx.array(seq.tokens[seq.position : end])[None],
                                            seq.cache)  # fmt: skip
-                    head.feed(hidden, seq.tokens[seq.position + 1 : end + 1], at=seq.position)
+                    head.feed(hidden, seq.tokens[seq.position + 1 : end + 1], at=seq.position,
+                              draft=not seq.stops)  # fmt: skip
                 mx.eval([c.state for c in seq.cache], head.state if head is not None else [])
                 dt = time.perf_counter() - t0
                 self.scheduler.stats.prefill_s += dt

@@ -287,17 +287,21 @@ class MTPDrafter:
         hidden = self.backbone(inputs, cache)
         return self._logits(hidden), hidden
 
-    def feed(self, hidden: mx.array, tokens: Sequence[int] | mx.array, at: int) -> None:
+    def feed(
+        self, hidden: mx.array, tokens: Sequence[int] | mx.array, at: int, draft: bool = True
+    ) -> None:
         """Add committed positions at..at+L-1: the main model's [1, L, h] hidden states
-        there and the L tokens that follow each."""
+        there and the L tokens that follow each. `draft=False` (a prefill chunk before the
+        last) skips the draft from the last one: the next feed would replace it unread,
+        and it costs a row of the vocabulary-sized head."""
         if self.start is None:
             self.cache, self.start = self.head.make_cache(), at
         assert at == self.position, (at, self.position)
         ids = tokens if isinstance(tokens, mx.array) else mx.array(list(tokens))
         assert ids.size == hidden.shape[1], (ids.size, hidden.shape)
         out = self.head(hidden, self._embed(ids.reshape(1, -1)), self.cache)
-        self._last = out[:, -1:, :]
-        self._draft = mx.argmax(self._logits(self._last)[0, -1], axis=-1)
+        self._last = out[:, -1:, :] if draft else None
+        self._draft = mx.argmax(self._logits(self._last)[0, -1], axis=-1) if draft else None
 
     def lose_step(self) -> None:
         """The sequence moved without feeding the head (a batched step): start it over."""
@@ -306,9 +310,8 @@ class MTPDrafter:
     @property
     def state(self) -> list[Any]:
         """What to evaluate with the step that fed it."""
-        if self._draft is None:
-            return []
-        return [self._draft, *(c.state for c in self.cache)]
+        draft = [] if self._draft is None else [self._draft]
+        return [*draft, *(c.state for c in self.cache)]
 
     @property
     def nbytes(self) -> int:
