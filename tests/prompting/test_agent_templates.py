@@ -179,6 +179,14 @@ def test_an_agent_session_on_a_real_template_is_served_from_the_cache(
         summary += " | warm-ahead: " + "; ".join(waiter.log)
     print(summary)
 
+    assert_served(records, plan, path, template, summary)
+    if waiter is not None:
+        assert all(w >= 1 for w in waiter.warmed), summary
+
+
+def assert_served(records, plan, path: Path, template: str, summary: str) -> None:
+    """Each client read what the model wrote; each tool step reused all the server saw, and
+    each new question missed no more than its own tokens and their markup."""
     # What each client reads is what the model wrote, cache or not.
     for r in records:
         assert r.expected is not None
@@ -207,5 +215,3 @@ def test_an_agent_session_on_a_real_template_is_served_from_the_cache(
             if r.share < NEW_QUESTION_SHARE or missed > most:
                 low.append(f"question {r.task + 1}: {r.share:.3f}, {missed} tokens missed > {most}")
     assert low == [], summary
-    if waiter is not None:
-        assert all(w >= 1 for w in waiter.warmed), summary
