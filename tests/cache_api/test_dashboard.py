@@ -18,6 +18,7 @@ from proxy.config.model import UpstreamConfig
 from proxy.security import browser_policy
 from proxy.state import ProxySettings
 from tests.conftest import Server, fresh_cache_dir, start_server
+from tests.support import required
 
 CHROMIUM = shutil.which("chromium")
 try:
@@ -26,12 +27,14 @@ except ImportError:  # the test extras bring it
     sync_playwright = None
 
 if CHROMIUM is None:
-    NO_BROWSER = (
+    NO_BROWSER = required.reason(
         "no chromium on PATH: these tests drive Debian's chromium (apt-get install chromium; "
         ".ci/run installs it), not a browser Playwright downloads"
     )
 elif sync_playwright is None:
-    NO_BROWSER = "the playwright package is not installed (pip install -e '.[test]')"
+    NO_BROWSER = required.reason(
+        "the playwright package is not installed (pip install -e '.[test]')"
+    )
 else:
     NO_BROWSER = ""
 needs_browser = pytest.mark.skipif(bool(NO_BROWSER), reason=NO_BROWSER or "-")

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support import required
+
 REPO = Path(__file__).resolve().parents[2]
 INSTALLER = REPO / "scripts" / "install-clients"
 # Where scripts/install-clients put them ($CLIENTS_DIR there too; relative to the repo).
@@ -78,12 +80,14 @@ def find_cli(name: str, env_var: str, version_var: str) -> Cli:
     path = Path(explicit) if explicit else CLIENTS_DIR / "node_modules" / ".bin" / name
     fix = f"set ${env_var} to a working {name}" if explicit else "run ./scripts/install-clients"
     if not path.exists():
-        return Cli(name, None, f"{name} {want} is not installed ({path} is missing): {fix}")
+        why = f"{name} {want} is not installed ({path} is missing): {fix}"
+        return Cli(name, None, required.reason(why))
     version, why = _version(path)
     if why:
-        return Cli(name, None, f"{why}: {fix}")
+        return Cli(name, None, required.reason(f"{why}: {fix}"))
     if want not in version and not explicit:
-        return Cli(name, None, f"{path} is {version!r}, not the pinned {want}: {fix}")
+        why = f"{path} is {version!r}, not the pinned {want}: {fix}"
+        return Cli(name, None, required.reason(why))
     return Cli(name, path)
 
 

@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 
 from bench.scenarios.shared_redis import REDIS_SERVER, RedisServer
+from tests.support import required
 
 __all__ = ["REDIS_SERVER", "RedisServer", "redis_fixture", "redis_server_fixture"]
-SKIP_REASON = "redis-server is not installed (apt-get install redis-server; brew install redis)"
+SKIP_REASON = required.reason(
+    "redis-server is not installed (apt-get install redis-server; brew install redis)"
+)
 
 
 def redis_fixture(tmp_path: Path, *args: str) -> Iterator[RedisServer]:
