@@ -131,20 +131,22 @@ class CacheSession:
         hit = self.tiers.lookup(self.chain, self.scope, needs_checkpoint=snapshots)
         promoted = hit.ssd is not None and self.tiers.promote(hit)
         source: CacheSource = ("shared" if hit.from_shared else "ssd") if promoted else "ram"
-        # Pinned, so nothing is evicted before the copy below is taken.
+        # Pinned, so nothing is evicted before the copy below is taken; every step up to
+        # the copy sits inside the `try`, since an entry left pinned is never evicted.
         match = self.tiers.pin(hit, promoted=promoted)
-        self.lookup = self._report(hit, match.length)
-        self._log_divergence(self.lookup)
-        ckpt_used = match.checkpoint
-        self._note(match.length // self.bs, ckpt_used and (ckpt_used.key, ckpt_used.position))
-        if match.length == 0:
-            return make_prompt_cache(model), 0, "none"
         try:
+            self.lookup = self._report(hit, match.length)
+            self._log_divergence(self.lookup)
+            ckpt_used = match.checkpoint
+            self._note(match.length // self.bs, ckpt_used and (ckpt_used.key, ckpt_used.position))
+            if match.length == 0:
+                return make_prompt_cache(model), 0, "none"
             ckpt = match.checkpoint.payload.payload if match.checkpoint is not None else None
             blocks = [b.payload.payload for b in match.blocks]
             cache = kv.restore(model, blocks, match.length, ckpt)
         finally:
-            self.tiers.ram.release(match)
+            if match.pinned:  # a miss is not pinned
+                self.tiers.ram.release(match)
         self._stored_blocks = match.length // self.bs
         return cache, match.length, source
 

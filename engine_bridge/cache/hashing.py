@@ -116,7 +116,9 @@ class Chain:
     hashes only the blocks that new tokens complete, so a generation's save stays linear.
     """
 
-    __slots__ = ("tokens", "hashes", "root", "block_size", "extra_keys")
+    # Weakly referable: where a request's prefill resumed is remembered by its chain
+    # (resume_points.py) without keeping a long prompt's tokens and hashes alive.
+    __slots__ = ("tokens", "hashes", "root", "block_size", "extra_keys", "__weakref__")
 
     def __init__(
         self, tokens: Sequence[int], block_size: int = BLOCK_SIZE, extra_keys: ExtraKeys = ()

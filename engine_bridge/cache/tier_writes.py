@@ -31,6 +31,7 @@ from engine_bridge.cache.kinds import CheckpointReason, EntryKind, PutReason
 from engine_bridge.cache.ram.checkpoints import Checkpoint
 from engine_bridge.cache.ram.manager import CacheManager, Entry
 from engine_bridge.cache.ram.matching import Match
+from engine_bridge.cache.resume_points import ResumePoints, ResumePointStats
 from engine_bridge.cache.ssd.index import Scope
 from engine_bridge.cache.ssd.store import PutOutcome, SSDStore
 from engine_bridge.cache.tensors import HostTensor
@@ -80,6 +81,9 @@ class WriteStats:
     deferred: DeferredStats
     rewrites_pending: int  # entries the SSD lost that RAM holds, waiting to be put again
     rewrite_failures: int  # of those, given up after REWRITE_TRIES failed puts
+    # Where recent prefills resumed (resume_points.py); the default serves tests that
+    # build these stats field by field.
+    resume_points: ResumePointStats = ResumePointStats()
 
 
 class TierWrites:
@@ -109,7 +113,7 @@ class TierWrites:
         # writer is done, and RAM thins them as soon as a deeper one lands).
         self._periodic_written: OrderedDict[BlockHash, None] = OrderedDict()
         # Where each recent request's prefill resumed, by its chain (`resumed`).
-        self._resumed_at: OrderedDict[int, tuple[Chain, int]] = OrderedDict()
+        self.resume_points = ResumePoints(_PERIODIC_MEMO)
         # Runs a function on the MLX thread (the engine's scheduler.call): held-back writes
         # that came due while no request runs go out there, since turning their blocks
         # into host bytes evaluates arrays. Unset, they go out with the next request.
@@ -130,7 +134,12 @@ class TierWrites:
         return bool(self._rewrite)
 
     def stats(self) -> WriteStats:
-        return WriteStats(self.deferred.stats(), len(self._rewrite), self.rewrite_failures)
+        return WriteStats(
+            self.deferred.stats(),
+            len(self._rewrite),
+            self.rewrite_failures,
+            self.resume_points.stats(),
+        )
 
     def catch_up(self, scope: Scope, *, snapshots: bool, rewrites: int) -> None:
         """What a request does before its lookup, on the MLX thread: note a snapshot model's
@@ -168,10 +177,10 @@ class TierWrites:
                 self._put(entry, PutReason.WRITE_THROUGH)
 
     def resumed(self, chain: Chain, length: int) -> None:
-        """A request on `chain` resumes at `length` (for `_periodic_due`)."""
-        self._resumed_at[id(chain)] = (chain, length)
-        if len(self._resumed_at) > _PERIODIC_MEMO:
-            self._resumed_at.popitem(last=False)
+        """A request on `chain` resumes at `length` (for `_periodic_due`, which only
+        periodic writes ask)."""
+        if self.periodic_write_every:
+            self.resume_points.note(chain, length)
 
     def store_blocks(self, chain: Chain, scope: Scope, payloads: Mapping[int, Any]) -> None:
         """Insert full blocks of `chain` by index into RAM, and write them through; a
@@ -201,7 +210,9 @@ class TierWrites:
                 if c.position <= len(chain) and chain.checkpoint_key(c.position) == c.key
             ]
             self.deferred.postpone(mine)
-        if self.policy is not WritePolicy.THROUGH or (reason is CheckpointReason.GENERATION_END and big):
+        if self.policy is not WritePolicy.THROUGH or (
+            reason is CheckpointReason.GENERATION_END and big
+        ):
             return
         entry = self.ram.entry(EntryKind.CHECKPOINT, chain.checkpoint_key(position))
         if entry is None or entry.payload is not stored or entry.superseded:
@@ -241,12 +252,8 @@ class TierWrites:
             return False
         interval = max(1, every // SPARSE_PERIODIC_EVERY)
         lo = max(0, position - every)
-        resumed = self._resumed_at.get(id(chain))
-        if (
-            resumed is not None
-            and resumed[0] is chain
-            and position + interval - resumed[1] <= every
-        ):
+        resumed = self.resume_points.get(chain)
+        if resumed is not None and position + interval - resumed <= every:
             return False
         written = [
             c.position

@@ -277,17 +277,23 @@ class TieredCache:
         """The match to restore from, pinned: the lookup's own when nothing was promoted
         and its entries are all still in RAM (`acquire` checks), else a fresh one, which
         reaches into what promotion brought up (RAM changed: the one second match). A
-        miss (length 0) is not pinned."""
+        miss (length 0) is not pinned. If the writes a reuse makes raise, it lets go of
+        the pin before the error leaves: RAM never evicts a pinned entry."""
         if not promoted and hit.ram.length == 0 and hit.ssd is None:
             match = hit.ram  # a miss nothing tried to promote into: RAM is as looked up
         elif not promoted and hit.ram.length and self.ram.acquire(hit.ram):
             match = hit.ram
         else:
             match = self.ram.match(hit.chain, needs_checkpoint=hit.needs_checkpoint, pin=True)
-        self.writes.reused(hit.chain, match)
-        if self.shared is not None:
-            self.shared.reused(hit.chain, match)
-        self.writes.resumed(hit.chain, match.length)
+        try:
+            self.writes.reused(hit.chain, match)
+            if self.shared is not None:
+                self.shared.reused(hit.chain, match)
+            self.writes.resumed(hit.chain, match.length)
+        except BaseException:
+            if match.pinned:
+                self.ram.release(match)
+            raise
         return match
 
     # ---- promotion ----------------------------------------------------------------------
@@ -394,7 +400,9 @@ class TieredCache:
             return None
         try:
             payload = self.codec.from_host(entry.tensors, entry.meta)
-            reason = CheckpointReason(entry.meta[META_REASON]) if kind is EntryKind.CHECKPOINT else None
+            reason = (
+                CheckpointReason(entry.meta[META_REASON]) if kind is EntryKind.CHECKPOINT else None
+            )
         except (ValueError, KeyError) as e:
             log.warning("cache entry %s is unreadable as a payload: %s", key.hex()[:16], e)
             return None
