@@ -25,10 +25,10 @@ from mlx_lm.utils import load_tokenizer
 from .. import kv
 from ..prompting.output_format import OutputFormat
 from ..prompting.prefix_memo import PrefixMemo
-from ..scheduling.speculation.mtp import MTPSource, has_head
 from ..types import EngineError
 from ..vision import model as vision
 from . import demo
+from .mtp_head import MTPSource, has_head
 
 log = logging.getLogger("engine_bridge.models.loading")
 

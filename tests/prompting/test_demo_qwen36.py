@@ -20,9 +20,10 @@ from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 from mlx_lm.utils import load
 
+from engine_bridge.models import mtp_head as mtp
 from engine_bridge.models.demo import DEMO_MODEL_IDS, build, ensure_demo_model, is_demo_model
 from engine_bridge.models.demo import qwen36_vocab as vocab
-from engine_bridge.scheduling.speculation import mtp
+from engine_bridge.scheduling.speculation.mtp import MTPDrafter
 
 FLOAT, QUANT = "demo-qwen36", "demo-qwen36-4bit"
 IM_END, END_OF_TEXT = vocab.SPECIAL_TOKENS["<|im_end|>"], vocab.SPECIAL_TOKENS["<|endoftext|>"]
@@ -163,7 +164,7 @@ def test_the_mtp_head_is_stored_per_expert_and_loads_with_its_experts(root, load
 
 def _drafts_finite(head: mtp.MTPHead, model) -> None:
     """The head primed along a prompt drafts two tokens, from finite outputs."""
-    drafter = mtp.MTPDrafter(head, model, depth=2)
+    drafter = MTPDrafter(head, model, depth=2)
     prompt = PROMPTS[0]
     logits, hidden = drafter.forward(mx.array([prompt]), make_prompt_cache(model))
     nxt = int(mx.argmax(logits[0, -1]).item())

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.qwen3_5 import TextModelArgs
 
 from engine_bridge.engine import Engine, EngineSettings
-from engine_bridge.scheduling.speculation import mtp
+from engine_bridge.models import mtp_head as mtp
 from engine_bridge.scheduling.speculation.control import Mode, SpeculativeSettings
 from engine_bridge.scheduling.speculation.drafters import PromptLookup
 from engine_bridge.scheduling.speculation.mtp import MTPDrafter

@@ -32,11 +32,11 @@ from mlx_lm.utils import load as mlx_load
 
 from engine_bridge.engine import Engine, EngineSettings
 from engine_bridge.kv import CacheKind
+from engine_bridge.models import mtp_head as mtp
 from engine_bridge.models.demo import ensure_demo_model
 from engine_bridge.models.discovery import DEFAULT_LMSTUDIO_DIRS, scan
 from engine_bridge.models.loading import ModelRef, resolve
 from engine_bridge.models.preflight import Machine, RamReading
-from engine_bridge.scheduling.speculation import mtp
 from engine_bridge.types import EngineError
 from proxy.upstream.lmstudio_rest import LmStudioRest
 from proxy.upstream.one_copy import held_copies

@@ -184,7 +184,7 @@ def _quantized(
     from mlx.utils import tree_flatten
     from mlx_lm.utils import quantize_model
 
-    from ...scheduling.speculation import mtp
+    from .. import mtp_head as mtp
     from . import weights
 
     main = [(k, mx.array(v)) for k, v in params.items() if not k.startswith("mtp.")]

@@ -79,7 +79,7 @@ def random_weights(config: dict[str, Any], muted_token_ids: list[int]) -> dict[s
 
 def _mtp_head(config: dict[str, Any]):
     """The multi-token-prediction head `config` declares (Qwen3.5's `mtp.*`), or None."""
-    from ...scheduling.speculation import mtp
+    from .. import mtp_head as mtp
 
     declared = mtp.head_args(copy.deepcopy(config))
     return None if declared is None else mtp.MTPHead(*declared)

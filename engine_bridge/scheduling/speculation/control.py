@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from . import mtp
 from .drafters import Drafter, PromptLookup
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class SpeculativeSettings:
             and model is not None
             and (model.mtp is not None)
         ):
-            drafter = model.mtp.drafter(model.model, self.mtp_depth)
+            drafter = mtp.drafter(model.mtp, model.model, self.mtp_depth)
             if drafter is not None:
                 return drafter
         if self.mode == Mode.PROMPT_LOOKUP or auto:
