@@ -157,3 +157,32 @@ def test_each_wing_imports_only_what_it_may():
     # The shared tier's package imports no redis until a store is made.
     shared = modules()["engine_bridge.cache.shared"]
     assert "redis" not in imports()["engine_bridge.cache.shared"], shared
+
+
+def test_the_import_reader_sees_every_kind_of_import():
+    """The rules above pass trivially on a graph with edges missing: the reader must see
+    relative imports (most internal ones), `from package import module`, and imports
+    inside functions."""
+    graph = imports()
+    # `from .generation import shown_settings` in proxy/app.py
+    assert "proxy.generation" in graph["proxy.app"]
+    # `from .scheduler import ...` two levels down; `from ..models.loading import ...`
+    assert "engine_bridge.scheduling.scheduler" in graph["engine_bridge.scheduling.runner"]
+    assert "engine_bridge.models.loading" in graph["engine_bridge.scheduling.runner"]
+    # `from . import mtp` in scheduling/speculation/control.py
+    control = graph["engine_bridge.scheduling.speculation.control"]
+    assert "engine_bridge.scheduling.speculation.mtp" in control
+    # `from .. import mtp_head as mtp` inside a function of models/demo/weights.py
+    assert "engine_bridge.models.mtp_head" in graph["engine_bridge.models.demo.weights"]
+    # Absolute imports, of this repo and of others.
+    assert "engine_bridge.engine" in graph["proxy.app"] and "aiohttp" in graph["proxy.app"]
+
+
+def test_the_engine_wings_keep_their_arrows():
+    # The cache holds no mlx: payloads cross through the Codec that kv/ implements.
+    assert _reaching("engine_bridge.cache", ("mlx", "mlx_lm", "engine_bridge.kv")) == {}
+    # Nothing imports the facade but the proxy, and the probes and bench scenarios that
+    # drive it in a process of their own, as the proxy does.
+    users = {m for m, targets in imports().items() if "engine_bridge.engine" in targets}
+    drivers = ("proxy", "engine_bridge.probes", "bench.scenarios")
+    assert {m for m in users if not m.startswith(drivers)} == set()
