@@ -212,10 +212,13 @@ class ModelInfo:
 
 @dataclass(slots=True)
 class TokenEvent:
-    """Newly decoded text; `text` may be empty while a multi-byte char is incomplete."""
+    """Newly decoded text, sent when a token adds some: a token that completes no character
+    yet (part of a multi-byte one), or whose text is held as a possible stop string's
+    start, sends none, and the next event counts it in `tokens`."""
 
     text: str
-    token: int
+    token: int  # the last of them
+    tokens: int = 1  # the output tokens `text` was decoded from, since the previous event
 
 
 @dataclass(slots=True)

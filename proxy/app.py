@@ -17,6 +17,7 @@ from engine_bridge.types import EngineError
 from .cache_api import admin as cache_admin
 from .cache_api import dashboard, metrics
 from .cache_api import inspect as cache_inspect
+from .cache_api.proxy_stores import proxy_stats
 from .config.model import UpstreamConfig
 from .dialects import (
     anthropic as anthropic_api,
@@ -49,6 +50,8 @@ from .upstream.passthrough import (
 log = logging.getLogger("proxy.app")
 
 Route = Callable[[web.Request, dict], Awaitable[web.StreamResponse]]
+# Every path under it is served here or nowhere: never passed through to the upstream.
+CACHE_ROUTES = "/v1/cache"
 
 
 @web.middleware
@@ -175,10 +178,21 @@ async def list_models(request: web.Request) -> web.Response:
 async def cache_stats(request: web.Request) -> web.Response:
     # Off the event loop, as /metrics reads them: the SSD index's counts wait for its lock,
     # which the SSD writer thread holds while it writes, and every other route would wait.
-    return web.json_response(await asyncio.to_thread(request.app[ENGINE].stats))
+    stats = await asyncio.to_thread(request.app[ENGINE].stats)
+    # The proxy's own stores, read on the loop that changes them.
+    return web.json_response({**stats, "proxy": proxy_stats(request.app)})
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
+    if request.path == CACHE_ROUTES or request.path.startswith(CACHE_ROUTES + "/"):
+        # Ours, not LM Studio's: a session route without an id (/v1/cache/sessions/, what
+        # DELETE /v1/cache/sessions/.. resolves to) gets the documented 404, not the
+        # upstream's own text/plain one.
+        raise ApiError(
+            404,
+            f"no route for {request.method} {request.path}: the /v1/cache routes are this "
+            "server's own, GET /openapi.json lists them (a session route names a session id)",
+        )
     if not request.app[UPSTREAM_CONFIG].enabled:
         raise ApiError(404, f"no route for {request.method} {request.path} (upstream disabled)")
     return await forward(request)

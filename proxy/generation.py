@@ -24,6 +24,7 @@ from . import fields as f
 from .config.model_settings import SAMPLING_FIELDS
 from .dialects.output import Part
 from .errors import ApiError
+from .security import api_key
 from .state import ENGINE, REQUEST_ID, SETTINGS
 
 BYPASS_HEADER = "x-prompt-cache"
@@ -38,7 +39,8 @@ class Generation:
     stream: GenerationStream
     parser: OutputParser
     # Output tokens of the reasoning block, its markers included: each token read while
-    # the parser was inside it, before or after the token's text.
+    # the parser was inside it, before or after its text. Counted per token, not per event:
+    # an event carries every token since the last (a multi-byte character's pieces).
     reasoning_tokens: int = 0
 
     @property
@@ -63,7 +65,7 @@ class Generation:
                 before = self.parser.in_reasoning
                 parts = self.parser.feed(event.text)
                 if before or self.parser.in_reasoning:
-                    self.reasoning_tokens += 1
+                    self.reasoning_tokens += event.tokens
                 for part in parts:
                     yield part
         result = self.stream.result
@@ -94,7 +96,7 @@ def request_options(request: web.Request) -> tuple[str, bool]:
     settings = request.app[SETTINGS]
     tenant = settings.default_tenant
     header = f.header(request, settings.tenant_header)
-    key = _api_key(request)
+    key = api_key(request)
     if key and key in settings.tenant_api_keys:
         # A key's tenant is who the caller is: a header must not pick another tenant's cache.
         tenant = settings.tenant_api_keys[key]
@@ -138,13 +140,6 @@ def conversation_id(messages: list[Message] | None) -> str:
             digest = hashlib.sha256(m.content.encode("utf-8", "surrogatepass")).hexdigest()
             return "h-" + digest[:16]
     return ""
-
-
-def _api_key(request: web.Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
-    return request.headers.get("x-api-key")
 
 
 def speculative(request: web.Request) -> bool:

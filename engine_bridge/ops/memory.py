@@ -16,7 +16,7 @@ from . import heap
 
 # The guard logged as part of the engine before it had a module; the name stays so log
 # filters and readers of old logs find its lines where they were.
-log = logging.getLogger("engine_bridge.engine")
+log = logging.getLogger("engine_bridge.ops.memory")
 
 # How often the memory guard also hands freed heap back to the system (see heap.py).
 HEAP_TRIM_S = 30.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Literal
 
 from ..prompt_cache import LookupReport
 from ..scheduling.runner import common_prefix
-from ..types import GenerationRequest, GenerationResult, Message
+from ..types import GenerationRequest, GenerationResult, ImageInput, Message
 
 if TYPE_CHECKING:
     from ..scheduling.sequence import Seq
@@ -119,7 +120,25 @@ def summarize(req: GenerationRequest, prompt_tokens: Sequence[int], out: Sequenc
 
 
 def _digest(message: Message) -> bytes:
-    return hashlib.blake2b(repr(message).encode(), digest_size=16).digest()
+    """The message's identity as canonical JSON: an image as its size and a digest of its
+    bytes, never its repr (which spells out every byte of the encoded file)."""
+    parts = None
+    if message.parts is not None:
+        parts = [p if isinstance(p, str) else _image(p) for p in message.parts]
+    calls = None
+    if message.tool_calls is not None:
+        calls = [[c.name, c.arguments, c.id] for c in message.tool_calls]
+    canonical = [message.role, message.content, message.reasoning, calls,
+                 message.tool_call_id, parts]  # fmt: skip
+    # Keys in the order sent, not sorted: a call's arguments render in that order, so two
+    # orders are two prompts (as they were two reprs). ASCII-only, lone surrogates escaped.
+    text = json.dumps(canonical, separators=(",", ":"), default=repr)
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def _image(image: ImageInput) -> dict[str, object]:
+    digest = hashlib.blake2b(image.data, digest_size=16).hexdigest()
+    return {"image": digest, "bytes": len(image.data), "media_type": image.media_type}
 
 
 def classify(

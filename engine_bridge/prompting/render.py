@@ -57,7 +57,7 @@ class RenderedPrompt:
     # Which message each entry of message_starts belongs to.
     message_index: list[int] = field(default_factory=list)
     # Real ids, images and positions when the prompt has images; `tokens` then holds the
-    # ids the cache keys on (vision_prompt.py).
+    # ids the cache keys on (vision/prompt.py).
     vision: VisionPrompt | None = None
     # Token index where the generation prompt opens a reasoning block (Qwen3.6's `<think>`),
     # or None. Templates that open one drop it from the turn when it is history, so the next

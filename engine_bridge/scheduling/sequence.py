@@ -41,16 +41,17 @@ class Seq:
         self.detok = tokenizer.detokenizer
         self.detok.reset()
         self.stopper = StopMatcher(job.request.stop)
+        self.unsent = 0  # tokens decoded since the last TokenEvent (their text not sent yet)
         self.history: list[int] = list(job.prompt.tokens[-64:])
         self.ttft: float | None = None
         self.restore_s = 0.0
         self.prefill_s = 0.0
         self.prefilled = 0  # prompt tokens this request computed (not restored)
         self.finish: FinishReason | None = None
-        # Its drafter and draft length, when it speculates (runner.py `_verify`).
+        # Its drafter and draft length, when it speculates (decoding.py `_verify`).
         self.spec: Speculation | None = None
         # Its drafter when that is an MTP head, which the runner feeds every committed
-        # position's hidden state (runner.py `_prefill`, `_launch`, `_verify`).
+        # position's hidden state (runner.py `_prefill`, decoding.py `_launch`, `_verify`).
         self.mtp: MTPDrafter | None = None
 
     @property
@@ -81,9 +82,11 @@ class Seq:
             return True
         self.history.append(tok)
         self.detok.add_token(tok)
+        self.unsent += 1
         text, hit = self.stopper.feed(self.detok.last_segment)
         if text:
-            self.emit(TokenEvent(text, tok))
+            self.emit(TokenEvent(text, tok, self.unsent))
+            self.unsent = 0
         if hit:
             self.finish = "stop_string"
         elif len(self.out) >= self.job.max_tokens:
@@ -95,7 +98,8 @@ class Seq:
             self.detok.finalize()
             tail, _ = self.stopper.feed(self.detok.last_segment, final=True)
             if tail:
-                self.emit(TokenEvent(tail, self.out[-1] if self.out else -1))
+                self.emit(TokenEvent(tail, self.out[-1] if self.out else -1, self.unsent))
+                self.unsent = 0
 
     def result(self, used_cache: bool) -> GenerationResult:
         now = time.perf_counter()

@@ -1,4 +1,5 @@
-"""How one field of `Engine.stats()` (what /v1/cache/stats shows) becomes a Prometheus series.
+"""How one field of `Engine.stats()` (what /v1/cache/stats shows, with the proxy's own
+stores under `proxy`) becomes a Prometheus series.
 
 The stats are the engine's dataclasses turned into dicts (`asdict`), nested: sections
 (`ram`, `ssd`, `writes.deferred`, ...) hold fields. `series(path, value)` says what a field
@@ -58,6 +59,7 @@ SECTIONS = {
     "vision": "Vision caches",
     "warm_ahead": "Warming ahead (the next question's prefix, prefilled while idle)",
     "reasoning_memo": "Reasoning kept per assistant turn, put back where clients drop it",
+    "proxy": "The proxy's own stores",
 }
 
 
@@ -263,6 +265,12 @@ DOCS: dict[Path, str] = {
         "dropped": "Offers pushed out by newer sessions or given up after retries",
         "over_budget": "Offers skipped for the tokens-per-minute budget or the RAM share",
         "pending": "Warm-ups waiting or running now",
+    }),
+    **_section("proxy.responses", {
+        "entries": "Responses stored for previous_response_id",
+        "bytes": "JSON bytes of the stored responses' items, each item counted once",
+        "max_bytes": "The bound on those bytes; the least recently used go first",
+        "evicted": "Stored responses evicted to stay within the bound",
     }),
     **_section("reasoning_memo", {
         "restored": "Assistant turns a client sent without reasoning, given it back",

@@ -6,8 +6,9 @@ Two sources, so nothing is counted twice:
   histograms labelled by model, tenant and cache source;
 - at scrape time, `EngineCollector` reads `Engine.stats()` and the session registry.
   `stats_families` walks every numeric field of the stats (the engine's stats dataclasses,
-  nested: requests, scheduler, memory, RAM, SSD, shared, writes, vision), so each counter
-  of /v1/cache/stats is on /metrics too; metric_names says how a field is named and typed.
+  nested: requests, scheduler, memory, RAM, SSD, shared, writes, vision) and the proxy's
+  own stores (`proxy_stores`), so each counter of /v1/cache/stats is on /metrics too;
+  metric_names says how a field is named and typed.
 
 Label values are bounded: a model is one this process serves, a tenant one of the first
 `MAX_TENANT_LABELS` seen (tenants named in [tenants] api_keys always have their own), and
@@ -20,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -35,6 +37,7 @@ from ..security import PASSTHROUGH_ROUTE, POLICY, api_key
 from ..state import ENGINE, SETTINGS
 from .metric_names import LABELLED, Path, is_labelled, series, skipped
 from .metrics_shared import shared_histograms
+from .proxy_stores import proxy_stats
 
 PREFIX = "mlx_prompt_cache"
 MAX_TENANT_LABELS = 32
@@ -55,6 +58,7 @@ class TenantLabels:
         self.cap = cap
         # Tenants named in [tenants] api_keys are bounded by the config: never "other".
         self._known = {t for t in always if len(t) <= MAX_LABEL_CHARS}
+        # At most `cap` names of at most MAX_LABEL_CHARS: bounded by construction.
         self._seen: set[str] = set()
         self._lock = threading.Lock()
 
@@ -130,13 +134,15 @@ class RequestMetrics:
 
 
 class EngineCollector(Collector):
-    """The engine's own totals and levels, read at each scrape."""
+    """The engine's own totals and levels, and the proxy's stores (`proxy`, the section
+    /v1/cache/stats adds), read at each scrape."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, proxy: Callable[[], dict] = dict):
         self.engine = engine
+        self.proxy = proxy
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.stats()
+        stats = {**self.engine.stats(), "proxy": self.proxy()}
         yield from stats_families(stats)
         if stats.get("shared") is not None:
             yield from shared_histograms(stats["shared"])
@@ -212,7 +218,9 @@ def session_metrics(records: list, now: float) -> Iterator[Metric]:
 class Metrics:
     """One app's registry and the instruments on it."""
 
-    def __init__(self, engine: Engine, tenants: Iterable[str] = ()):
+    def __init__(
+        self, engine: Engine, tenants: Iterable[str] = (), proxy: Callable[[], dict] = dict
+    ):
         self.registry = CollectorRegistry()
         labels = TenantLabels(MAX_TENANT_LABELS, tenants)
         self.requests = RequestMetrics(self.registry, engine, labels)
@@ -222,7 +230,7 @@ class Metrics:
             ("status", "route"),
             registry=self.registry,
         )
-        self.registry.register(EngineCollector(engine))
+        self.registry.register(EngineCollector(engine, proxy))
 
 
 METRICS = web.AppKey("metrics", Metrics)
@@ -231,7 +239,9 @@ METRICS = web.AppKey("metrics", Metrics)
 def setup_metrics(app: web.Application) -> None:
     """Count finished requests while the app runs (the engine may outlive the app)."""
     engine, settings = app[ENGINE], app[SETTINGS]
-    app[METRICS] = metrics = Metrics(engine, settings.tenant_api_keys.values())
+    # The stores are read at each scrape: the Responses route adds its store after this.
+    proxy = partial(proxy_stats, app)
+    app[METRICS] = metrics = Metrics(engine, settings.tenant_api_keys.values(), proxy)
 
     async def listen(app: web.Application):
         engine.result_listeners.append(metrics.requests.observe)

@@ -36,7 +36,7 @@ class Leaf:
     tp: Any
 
 
-@functools.cache
+@functools.cache  # keyed by the config's section classes: bounded by construction
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

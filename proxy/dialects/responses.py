@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from ..errors import ApiError, api_error
 from ..generation import Generation, Given, bounded_id, request_options, session_id, start
 from ..state import ENGINE
 from .openai import parse_sampling, thinking_for_effort
+from .response_store import Items, ResponseStore
 from .responses_items import (
     ToolSet,
     arrange,
@@ -38,10 +38,9 @@ from .responses_items import (
 from .responses_output import Emit, Output, new_id, usage
 from .sse import SSEWriter
 
-log = logging.getLogger("proxy.responses")
+log = logging.getLogger("proxy.dialects.responses")
 
 ROUTE = "/v1/responses"
-STORE_CAPACITY = 256
 # Without max_output_tokens a turn may run to the end of the context, as OpenAI's does, but
 # the scheduler reserves room for prompt + max_tokens: a 256k context would be reserved
 # whole for every turn. Codex's longest turns (a large patch) stay well below this.
@@ -50,37 +49,6 @@ DEFAULT_MAX_OUTPUT = 32768
 # threads of one session, and the request log compares each session's turns in order).
 THREAD_HEADERS = ("thread-id", "conversation_id")
 SESSION_HEADERS = ("session-id", "session_id")
-
-Items = tuple[Any, ...]
-
-
-class ResponseStore:
-    """The last `capacity` stored responses: the items their conversation ended with.
-
-    An entry is the previous entry's items plus the new input and output, a tuple of
-    references to the same dicts, so a chain of turns holds each item once.
-    """
-
-    def __init__(self, capacity: int = STORE_CAPACITY):
-        self.capacity = capacity
-        self._entries: OrderedDict[str, tuple[str, Items]] = OrderedDict()
-
-    def get(self, rid: str, tenant: str) -> Items | None:
-        entry = self._entries.get(rid)
-        if entry is None or entry[0] != tenant:  # another tenant's id is not there for you
-            return None
-        self._entries.move_to_end(rid)
-        return entry[1]
-
-    def put(self, rid: str, tenant: str, items: Items) -> None:
-        self._entries[rid] = (tenant, items)
-        self._entries.move_to_end(rid)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
 
 STORE = web.AppKey("responses_store", ResponseStore)
 
@@ -127,6 +95,32 @@ def _template_kwargs(body: dict) -> tuple[dict[str, Any], dict[str, Any] | None]
     return kwargs, {"effort": effort, "summary": reasoning.get("summary")}
 
 
+def _stored(store: ResponseStore, previous: str, tenant: str) -> Items:
+    """The stored conversation `previous` ended with, or the 400 OpenAI sends for an id it
+    does not have (code previous_response_not_found), saying why it is not here."""
+    found = store.get(previous, tenant)
+    if found is not None:
+        return found
+    n = store.max_bytes
+    bound = f"{n / (1 << 20):.0f} MB" if n >= 1 << 20 else f"{n} bytes"
+    if store.was_evicted(previous, tenant):
+        why = (
+            f"was evicted: stored responses are kept in memory up to {bound}, the least "
+            "recently used dropped first"
+        )
+    else:
+        why = (
+            f"is not stored here (responses are kept in memory, up to {bound}, only with "
+            "store not false, and not across restarts)"
+        )
+    raise ApiError(
+        400,
+        f"previous_response_id: response {f.short(previous)} {why}; send the whole history instead",
+        param="previous_response_id",
+        code="previous_response_not_found",
+    )
+
+
 def build(request: web.Request, body: dict) -> Plan:
     model = f.get_str(body, "model", nonempty=True)
     if f.get_bool(body, "background"):
@@ -144,17 +138,7 @@ def build(request: web.Request, body: dict) -> Plan:
     previous = f.get_str(body, "previous_response_id", None)
     prior: Items = ()
     if previous is not None:
-        found = request.app[STORE].get(previous, tenant)
-        if found is None:
-            raise ApiError(
-                400,
-                f"previous_response_id: no stored response {f.short(previous)} (responses "
-                f"are kept in memory, the last {request.app[STORE].capacity}, and only "
-                "with store not false); send the whole history instead",
-                param="previous_response_id",
-                code="previous_response_not_found",
-            )
-        prior = found
+        prior = _stored(request.app[STORE], previous, tenant)
     new = input_items(body, required=previous is None)
     items = (*prior, *new)
     tools = parse_tools(body)

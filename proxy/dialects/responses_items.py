@@ -20,7 +20,7 @@ from ..errors import ApiError
 from . import images
 from .openai import _parse_arguments
 
-log = logging.getLogger("proxy.responses")
+log = logging.getLogger("proxy.dialects.responses_items")
 
 ROLES = ("user", "assistant", "system", "developer")
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")

@@ -1,5 +1,6 @@
-"""The /openapi.json schemas of the Anthropic dialect (anthropic_api.py): Messages and
-count_tokens requests, their answers and the error shape; openapi.document merges `schemas()`."""
+"""The /openapi.json schemas of the Anthropic dialect (proxy/dialects/anthropic.py):
+Messages and count_tokens requests, their answers and the error shape; openapi.document
+merges `schemas()`."""
 
 from __future__ import annotations
 

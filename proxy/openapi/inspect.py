@@ -1,4 +1,5 @@
-"""The /openapi.json entries of the routes in cache_inspect.py: requests, probe, warm."""
+"""The /openapi.json entries of the routes in proxy/cache_api/inspect.py: requests, probe,
+warm."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The /openapi.json schemas of the OpenAI dialect (openai_api.py): chat and legacy
-completion requests, their answers and the error shape; openapi.document merges `schemas()`."""
+"""The /openapi.json schemas of the OpenAI dialect (proxy/dialects/openai.py): chat and
+legacy completion requests, their answers and the error shape; openapi.document merges
+`schemas()`."""
 
 from __future__ import annotations
 

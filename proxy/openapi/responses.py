@@ -1,5 +1,5 @@
-"""The /openapi.json schemas of the Responses dialect (responses_api.py): the request with
-its input items and tools, the `response` object and its output items."""
+"""The /openapi.json schemas of the Responses dialect (proxy/dialects/responses.py): the
+request with its input items and tools, the `response` object and its output items."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""OpenAPI documents of the session routes and DELETE /v1/cache (see cache_admin.py);
+"""OpenAPI documents of the session routes and DELETE /v1/cache (see proxy/cache_api/admin.py);
 openapi.document merges `paths()` and `schemas()` into the whole."""
 
 from __future__ import annotations

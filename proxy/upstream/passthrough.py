@@ -76,7 +76,9 @@ class UpstreamModels:
 
 @dataclass(slots=True)
 class _ModelsCache:
-    # The lock makes concurrent /v1/models and chat routing share one upstream fetch.
+    # One answer, replaced every MODELS_TTL_S: bounded by construction (by what the
+    # upstream lists), so not in /v1/cache/stats' `proxy` section. The lock makes
+    # concurrent /v1/models and chat routing share one upstream fetch.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     value: UpstreamModels | None = None
     fetched_at: float = 0.0
@@ -383,28 +385,40 @@ async def _forward_websocket(
     )
     try:
         await client.prepare(request)
-        pumps = [
-            asyncio.ensure_future(_pump(client, upstream)),
-            asyncio.ensure_future(_pump(upstream, client)),
-        ]
-        try:
-            done, _ = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for pump in pumps:
-                pump.cancel()
-        # Whoever closed first, the other side is closed with the same code; a side that
-        # vanished without a close frame is "going away" (client) or "internal error".
-        closer, other = (client, upstream) if pumps[0] in done else (upstream, client)
-        code = closer.close_code
-        if code not in _WS_SENDABLE:
-            code = 1001 if closer is client else 1011
-        await other.close(code=code)
+        await _tunnel(client, upstream, f"{request.method} {request.path}")
     finally:
         await upstream.close()
     return client
 
 
 _WebSocket = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
+
+
+async def _tunnel(client: _WebSocket, upstream: _WebSocket, where: str) -> None:
+    """Pump both ways until one side closes, then close the other with its code."""
+    pumps = [
+        asyncio.create_task(_pump(client, upstream), name=f"ws pump to upstream: {where}"),
+        asyncio.create_task(_pump(upstream, client), name=f"ws pump to client: {where}"),
+    ]
+    try:
+        done, _ = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        # Also when this handler is cancelled: no pump outlives it, and each one's fault is
+        # logged here rather than as "Task exception was never retrieved" at collection.
+        for pump in pumps:
+            pump.cancel()
+        for pump, outcome in zip(
+            pumps, await asyncio.gather(*pumps, return_exceptions=True), strict=True
+        ):
+            if isinstance(outcome, Exception):
+                log.warning("%s failed: %r", pump.get_name(), outcome)
+    # Whoever closed first, the other side is closed with the same code; a side that
+    # vanished without a close frame is "going away" (client) or "internal error".
+    closer, other = (client, upstream) if pumps[0] in done else (upstream, client)
+    code = closer.close_code
+    if code not in _WS_SENDABLE:
+        code = 1001 if closer is client else 1011
+    await other.close(code=code)
 
 
 async def _pump(source: _WebSocket, sink: _WebSocket) -> None:

@@ -18,6 +18,7 @@ from engine_bridge.scheduling.scheduler import SchedulerStats
 from engine_bridge.vision.features import FeatureStats
 from proxy.cache_api import metric_names, metrics
 from proxy.cache_api.metrics_shared import shared_histograms
+from proxy.dialects.response_store import StoreStats
 from tests.cache_api.test_metrics import FAULTS, P, Samples, _expected, _typed
 
 # Families that existed before, seen only with a daily SSD cap or a shared store.
@@ -92,10 +93,15 @@ def test_every_numeric_field_of_every_stats_dataclass_is_a_series():
         "memory": _filled(MemoryPressure, n),
         "vision": _filled(FeatureStats, n),
     }
+    # The proxy's own stores, which the proxy adds to the engine's stats.
+    responses = _filled(StoreStats, n)
     stats = {k: asdict(v) for k, v in sections.items()} | asdict(tiers)
+    stats["proxy"] = {"responses": asdict(responses)}
     leaves = [leaf for k, v in sections.items() for leaf in _dataclass_leaves(v, (k,))]
     leaves += list(_dataclass_leaves(tiers, ()))
+    leaves += list(_dataclass_leaves(responses, ("proxy", "responses")))
     assert {("ssd", "resumes"), ("writes", "deferred", "early")} <= dict(leaves).keys()
+    assert ("proxy", "responses", "max_bytes") in dict(leaves)
     families = [*metrics.stats_families(stats), *shared_histograms(stats["shared"])]
     got: Samples = {}
     for family in families:

@@ -115,10 +115,10 @@ def test_codex_body_becomes_one_system_message_flat_tools_and_the_session():
 
 def test_hosted_tools_are_left_out_with_one_log_line(caplog):
     body = {"tools": [{"type": "web_search"}, {"type": "image_generation"}, _fn("a", "x")]}
-    with caplog.at_level(logging.INFO, logger="proxy.responses"):
+    with caplog.at_level(logging.INFO, logger="proxy.dialects.responses_items"):
         tools = parse_tools(body)
     assert [t["function"]["name"] for t in tools.template] == ["a"]
-    lines = [r.getMessage() for r in caplog.records if r.name == "proxy.responses"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "proxy.dialects.responses_items"]
     assert lines == ["tools left out (hosted, not run here): web_search, image_generation"]
 
 
@@ -198,12 +198,12 @@ def test_reasoning_effort_switches_the_templates_thinking(effort, thinking):
 
 
 def test_the_response_store_is_bounded_lru_and_per_tenant():
-    store = ResponseStore(capacity=2)
+    store = ResponseStore(max_bytes=14)  # two items of 7 JSON bytes each
     store.put("a", "t1", ({"x": 1},))
-    store.put("b", "t1", ())
+    store.put("b", "t1", ({"y": 2},))
     assert store.get("a", "t2") is None  # another tenant's id is unknown
     assert store.get("a", "t1") == ({"x": 1},)  # and now the most recent
-    store.put("c", "t1", ())
+    store.put("c", "t1", ({"z": 3},))
     assert store.get("b", "t1") is None and store.get("a", "t1") is not None and len(store) == 2
 
 
