@@ -161,38 +161,44 @@ class Engine:
 
     async def runner(self, model_id: str) -> Runner:
         entry = self._served.require(model_id)
-        async with entry.loading:
-            if entry.runner is None:
-                if self.before_load is not None:
-                    await self.before_load(entry.ref)
-                if self.settings.memory_preflight:
-                    await self._make_room(entry.ref)
-                loaded = await self._on_mlx(models.load, entry.ref)
-                if loaded.vision is not None and self.settings.cache_enabled:
-                    ram, ssd = self.tiers.ram, self.tiers.ssd
-                    features = loaded.vision.feature_cache
-                    features.bind(ram, ssd, loaded.fingerprint, self.tiers.shared)
-                entry.runner = Runner(
-                    loaded,
-                    self.scheduler,
-                    self._session_factory(loaded),
-                    on_result=self._record,
-                    on_done=functools.partial(self._on_done, loaded),
-                )
-                self.scheduler.add(entry.runner)
-            # Marks the model busy for the idle janitor before any await can intervene.
-            entry.runner.last_used = time.monotonic()
+        if entry.runner is None:
+            async with self._served.lifecycle:  # one load or unload at a time (served.py)
+                if entry.runner is None:
+                    entry.runner = await self._load(entry.ref)
+        # Marks the model busy for the idle janitor before any await can intervene.
+        entry.runner.last_used = time.monotonic()
         return entry.runner
+
+    async def _load(self, ref: models.ModelRef) -> Runner:
+        """Load `ref` (the lifecycle lock held) and add its runner to the scheduler."""
+        if self.before_load is not None:
+            await self.before_load(ref)
+        if self.settings.memory_preflight:
+            await self._make_room(ref)
+        loaded = await self._on_mlx(models.load, ref)
+        if loaded.vision is not None and self.settings.cache_enabled:
+            features = loaded.vision.feature_cache
+            features.bind(self.tiers.ram, self.tiers.ssd, loaded.fingerprint, self.tiers.shared)
+        runner = Runner(
+            loaded,
+            self.scheduler,
+            self._session_factory(loaded),
+            on_result=self._record,
+            on_done=functools.partial(self._on_done, loaded),
+        )
+        self.scheduler.add(runner)
+        return runner
 
     async def _make_room(self, ref: models.ModelRef) -> None:
         """Load only what fits: unload idle models for room, else refuse (preflight.py)."""
-        plan = self.preflight.check(ref)
+        # Off the event loop: it reads the system's memory and stats the weights' files.
+        plan = await asyncio.to_thread(self.preflight.check, ref)
         unloaded: list[str] = []
         if not plan.fits:
             await self.warm_ahead.stop_current()  # it holds its model busy
-            unloaded = await self.unload_idle(0.0, keep=ref.id)
+            unloaded = await self._unload_idle(0.0, keep=ref.id)
             if unloaded:
-                plan = self.preflight.check(ref)
+                plan = await asyncio.to_thread(self.preflight.check, ref)
         if not plan.fits:
             message = plan.refusal(unloaded)
             log.warning("%s", message)
@@ -212,24 +218,22 @@ class Engine:
         self.request_log.on_done(seq, result)
         self.turns.ended(loaded, seq.job, result, seq.out)
 
-    async def unload_idle(self, idle_s: float, keep: str | None = None) -> list[str]:
-        """Unload models unused for `idle_s` seconds, but `keep` (loading, its lock held);
-        their cache stays on SSD (and in RAM)."""
-        unloaded = []
-        now = time.monotonic()
-        for model_id, entry in self._served.entries():
-            if model_id == keep:
-                continue
-            async with entry.loading:
-                runner = entry.runner
-                if runner is None or runner.active_jobs or now - runner.last_used < idle_s:
-                    continue
-                entry.runner = None
-                self.scheduler.remove(runner)
-                # The prompt cache's ModelCache holds the LoadedModel; its blocks and
-                # checkpoints live in the shared tiers, keyed by the model's fingerprint,
-                # and a reload makes a new ModelCache over them.
-                self._caches.pop(model_id, None)
+    async def unload_idle(self, idle_s: float) -> list[str]:
+        """Unload models unused for `idle_s` seconds; their cache stays on SSD (and in RAM)."""
+        async with self._served.lifecycle:
+            return await self._unload_idle(idle_s)
+
+    async def _unload_idle(self, idle_s: float, keep: str | None = None) -> list[str]:
+        """`unload_idle` with the lifecycle lock held, sparing `keep` (the model loading)."""
+        now, unloaded = time.monotonic(), []
+        idle = self._served.take_idle(idle_s, keep)
+        while idle:
+            model_id, runner = idle.pop(0)
+            self.scheduler.remove(runner)
+            # The prompt cache's ModelCache holds the LoadedModel; its blocks and
+            # checkpoints live in the shared tiers, keyed by the model's fingerprint,
+            # and a reload makes a new ModelCache over them.
+            self._caches.pop(model_id, None)
             idle_for = now - runner.last_used
             if runner.loaded.vision is not None:
                 runner.loaded.vision.feature_cache.unbind()  # its RAM goes back to the budget
@@ -351,7 +355,15 @@ class Engine:
         """
         self.turns.loop = asyncio.get_running_loop()
         self.warm_ahead.preempt()  # the machine is the request's now
-        return await self._launch(*await self._prepare(req))
+        return await self._start(req)
+
+    async def _start(
+        self, req: GenerationRequest, rendered: RenderedPrompt | None = None
+    ) -> GenerationStream:
+        # Claimed until the job is queued (then it counts in `active_jobs`): unloading the
+        # runner while the prompt renders would strand the job on it.
+        with self._served.claim(req.model):
+            return await self._launch(*await self._prepare(req, rendered))
 
     async def _launch(self, runner: Runner, job: Job) -> GenerationStream:
         req = job.request
@@ -382,19 +394,7 @@ class Engine:
         )
 
     def model_info(self, model_id: str) -> ModelInfo:
-        entry = self._served.require(model_id)
-        loaded = entry.loaded
-        if loaded is None:
-            return ModelInfo(model_id, loaded=False)
-        return ModelInfo(
-            model_id,
-            loaded=True,
-            arch=loaded.config.get("model_type"),
-            context_length=loaded.context_length,
-            cache_kind=loaded.cache_kind,
-            max_batch=entry.runner.max_batch,
-            vision=loaded.vision is not None,
-        )
+        return self._served.require(model_id).info()
 
     async def count_tokens(self, req: GenerationRequest) -> int:
         runner = await self.runner(req.model)
@@ -436,7 +436,7 @@ class Engine:
         self, req: GenerationRequest, prompt: RenderedPrompt
     ) -> GenerationStream:
         """Start `req` on a prompt already rendered; it preempts nothing."""
-        return await self._launch(*await self._prepare(req, prompt))
+        return await self._start(req, prompt)
 
     async def _render_chat(
         self, loaded: models.LoadedModel, req: GenerationRequest

@@ -41,6 +41,10 @@ class ModelQueue(Protocol):
 
 log = logging.getLogger("engine_bridge.scheduling.scheduler")
 
+# After a failure of the loop itself, the pause before it tries again; it doubles while the
+# failure repeats, up to the second figure.
+RETRY_S, RETRY_MAX_S = 0.05, 2.0
+
 
 @dataclass(slots=True)
 class SchedulerSettings:
@@ -138,6 +142,10 @@ class Scheduler:
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[Callable, Any]]] = {}
         self._turn = 0
         self._stopping = False
+        # What stopped the loop on its own (SystemExit, KeyboardInterrupt, CancelledError on
+        # the MLX thread); None while it runs, or stops because it was closed.
+        self._halt_cause: BaseException | None = None
+        self._halted: str | None = None  # then, why new work is refused
         self._thread = threading.Thread(target=self._loop, name="mlx", daemon=True)
         self._thread.start()
 
@@ -146,7 +154,10 @@ class Scheduler:
     def submit(self, runner: ModelQueue, pending: Pending) -> None:
         with self._cond:
             if self._stopping:
-                raise EngineError("the server is shutting down", status=503)
+                raise EngineError(self._halted or "the server is shutting down", status=503)
+            if runner not in self._runners:
+                # Unloaded since the caller found it: queued there, the job would never run.
+                raise EngineError(f"{runner.model_id} was unloaded; retry", status=503)
             # Requests beyond the free batch slots of their model wait; at most max_queue
             # of them, all models together.
             load = {r: r.n_waiting for r in self._runners}
@@ -172,8 +183,9 @@ class Scheduler:
         """Run `fn(*args)` on the MLX thread between steps."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
-            if self._stopping and not self._thread.is_alive():
-                raise RuntimeError("the scheduler has stopped")
+            # Once halted, also while the thread is still ending what was queued.
+            if self._halted is not None or (self._stopping and not self._thread.is_alive()):
+                raise RuntimeError(self._halted or "the scheduler has stopped")
             self._calls.append((fn, args, future))
             self._cond.notify()
         return future
@@ -235,53 +247,97 @@ class Scheduler:
     # -- the MLX thread --------------------------------------------------------------------
 
     def _loop(self) -> None:
+        failures = 0
         while True:
             try:
                 if not self._iterate():
                     self.flush()
                     return
-            except BaseException:  # the thread must outlive any one bug: log and go on
-                log.exception("scheduler loop failed")
-                time.sleep(0.05)
+                failures = 0
+            except Exception:
+                # A bug outside the handlers of a call, a queued request and a step (each
+                # ends what it ran): the thread must outlive it, but while it repeats, log
+                # the 1st, 2nd, 4th, 8th... time, and back off rather than spin.
+                failures += 1
+                if failures & (failures - 1) == 0:
+                    log.exception("scheduler loop failed (%d times in a row)", failures)
+                time.sleep(min(RETRY_MAX_S, RETRY_S * 2 ** min(failures - 1, 16)))
+            except BaseException as e:
+                self._halt_cause = self._halt_cause or e
+            if self._halt_cause is not None:
+                self._halt(self._halt_cause)
+                return
+
+    def _ending(self, error: BaseException) -> BaseException:
+        """What ends the call or request that raised `error`. A stop (SystemExit,
+        KeyboardInterrupt, CancelledError) is an order, not a bug to retry: the loop halts
+        after this pass, and the client gets a 503 rather than the stop re-raised on its
+        event loop, where it would stop the server too."""
+        if isinstance(error, Exception):
+            return error
+        self._halt_cause = self._halt_cause or error
+        return EngineError(_halted_message(error), status=503)
+
+    def _halt(self, cause: BaseException) -> None:
+        """Stop for good after `cause`: end everything left with a 503, refuse new work."""
+        log.error("scheduler stopped by %r; ending its requests", cause)
+        with self._cond:
+            self._halted = _halted_message(cause)
+            self._stopping = True
+            calls, self._calls = self._calls, deque()
+            inbox, self._inbox = self._inbox, deque()
+            runners = list(self._runners)
+        failed = EngineError(self._halted, status=503)
+        for _, _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(failed)
+        for _, pending in inbox:
+            pending.emit(Failed(failed))
+            pending.emit(None)
+        for runner in runners:
+            try:
+                runner.fail_all(failed)
+            except Exception:
+                log.exception("%s: ending its requests failed", runner.model_id)
+        self.flush()
 
     def _iterate(self) -> bool:
         """One pass of the loop; False once stopping with nothing left to do."""
-        if True:
-            with self._cond:
-                while not (self._calls or self._inbox or self._has_work() or self._stopping):
-                    self._cond.wait()
-                calls, self._calls = self._calls, deque()
-                inbox, self._inbox = self._inbox, deque()
-                runners = list(self._runners)
-                if self._stopping and not calls and not inbox and not self._has_work():
-                    return False
-            for fn, args, future in calls:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn(*args))
-                    except BaseException as e:
-                        future.set_exception(e)
-            for runner, pending in inbox:
-                if self._stopping:
-                    pending.job.cancel.set()
+        with self._cond:
+            while not (self._calls or self._inbox or self._has_work() or self._stopping):
+                self._cond.wait()
+            calls, self._calls = self._calls, deque()
+            inbox, self._inbox = self._inbox, deque()
+            runners = list(self._runners)
+            if self._stopping and not calls and not inbox and not self._has_work():
+                return False
+        for fn, args, future in calls:
+            if future.set_running_or_notify_cancel():
                 try:
-                    runner.enqueue(pending)
-                except BaseException as e:  # lost here, its client would wait forever
-                    log.exception("queueing a request failed")
-                    pending.emit(Failed(e))
-                    pending.emit(None)
-            self.flush()
-            worked = False
-            # Models take turns starting the step, so none always goes first.
-            self._turn = (self._turn + 1) % max(1, len(runners))
-            for runner in runners[self._turn :] + runners[: self._turn]:
-                if runner.has_work:
-                    worked |= self._step(runner)
-            self._update_counts(runners)
-            if not worked and any(r.has_work for r in runners):
-                # Held back (memory) with nothing to do: wait for a finish or a cancel.
-                with self._cond:
-                    self._cond.wait(0.05)
+                    future.set_result(fn(*args))
+                except BaseException as e:
+                    future.set_exception(self._ending(e))
+        for runner, pending in inbox:
+            if self._stopping:
+                pending.job.cancel.set()
+            try:
+                runner.enqueue(pending)
+            except BaseException as e:  # lost here, its client would wait forever
+                log.exception("queueing a request failed")
+                pending.emit(Failed(self._ending(e)))
+                pending.emit(None)
+        self.flush()
+        worked = False
+        # Models take turns starting the step, so none always goes first.
+        self._turn = (self._turn + 1) % max(1, len(runners))
+        for runner in runners[self._turn :] + runners[: self._turn]:
+            if runner.has_work:
+                worked |= self._step(runner)
+        self._update_counts(runners)
+        if not worked and any(r.has_work for r in runners):
+            # Held back (memory) with nothing to do: wait for a finish or a cancel.
+            with self._cond:
+                self._cond.wait(0.05)
         return True
 
     def _step(self, runner: ModelQueue) -> bool:
@@ -291,7 +347,7 @@ class Scheduler:
         try:
             return runner.step()
         except BaseException as e:
-            n = runner.fail_all(e)
+            n = runner.fail_all(self._ending(e))
             log.exception("%s: scheduler step failed; ended its %d requests", runner.model_id, n)
             self.flush()
             return True
@@ -305,6 +361,10 @@ class Scheduler:
         s.prefilling = sum(len(r.prefilling) for r in runners)
         s.waiting = sum(r.n_waiting for r in runners)
         s.kv_bytes = sum(r.live_bytes() for r in runners)
+
+
+def _halted_message(cause: BaseException) -> str:
+    return f"the engine stopped: {type(cause).__name__} on the MLX thread"
 
 
 def _call_all(calls: list[tuple[Callable[[Any], None], Any]]) -> None:
