@@ -6,6 +6,7 @@ with a stream of `TokenEvent`s and one final `GenerationResult`. No dialect leak
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -268,3 +269,14 @@ class WarmResult:
     cached_tokens: int  # already cached before the warm-up
     stored_tokens: int  # newly prefilled and now cached
     elapsed_s: float
+
+
+def conversation_id(messages: list[Message] | None) -> str:
+    """The session of a client that names none: 'h-' and 16 hex digits of the SHA-256 of
+    the first user message, the same on every turn of the conversation ("" without one).
+    The proxy, the scheduler's lanes and the request log all know a conversation by it."""
+    for m in messages or ():
+        if m.role == "user":
+            digest = hashlib.sha256(m.content.encode("utf-8", "surrogatepass")).hexdigest()
+            return "h-" + digest[:16]
+    return ""

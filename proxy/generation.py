@@ -15,9 +15,9 @@ from engine_bridge.stream import GenerationStream
 from engine_bridge.types import (
     GenerationRequest,
     GenerationResult,
-    Message,
     PromptInfo,
     TokenEvent,
+    conversation_id,
 )
 
 from . import fields as f
@@ -130,16 +130,6 @@ def bounded_id(value: str) -> str:
     if len(value) <= SESSION_ID_MAX and (not value or value.strip(".")):
         return value
     return "id-" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-def conversation_id(messages: list[Message] | None) -> str:
-    """The session of a client that names none: 'h-' and 16 hex digits of the SHA-256 of
-    the first user message, the same on every turn of the conversation ("" without one)."""
-    for m in messages or ():
-        if m.role == "user":
-            digest = hashlib.sha256(m.content.encode("utf-8", "surrogatepass")).hexdigest()
-            return "h-" + digest[:16]
-    return ""
 
 
 def speculative(request: web.Request) -> bool:

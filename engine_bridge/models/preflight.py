@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import psutil
 
 from ..cache.tiers import TieredCache
 from ..engine_settings import EngineSettings
-from ..scheduling.scheduler import Scheduler
 from .loading import ModelRef
 
 # Derived budgets never go below these: a few sessions' prefixes, a few sequences' K/V.
@@ -141,10 +141,18 @@ def plan(model: str, weights: int, reading: RamReading, usage: Usage) -> Plan:
     return Plan(model, weights, kv, ram, need, reading, usage.headroom, usage)
 
 
+class KvHolder(Protocol):
+    """What the preflight reads of the scheduler (models/ sits below scheduling/): the live
+    K/V it holds (`stats.kv_bytes`) and its budget (`settings.kv_memory_bytes`)."""
+
+    stats: Any
+    settings: Any
+
+
 class Preflight:
     """Plans each load against the machine's memory, and sets the derived budgets."""
 
-    def __init__(self, settings: EngineSettings, scheduler: Scheduler, tiers: TieredCache):
+    def __init__(self, settings: EngineSettings, scheduler: KvHolder, tiers: TieredCache):
         self._settings = settings
         self._scheduler = scheduler
         self._tiers = tiers

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal
 
 from ..prompt_cache import LookupReport
 from ..scheduling.runner import common_prefix
-from ..types import GenerationRequest, GenerationResult, ImageInput, Message
+from ..types import GenerationRequest, GenerationResult, ImageInput, Message, conversation_id
 
 if TYPE_CHECKING:
     from ..scheduling.sequence import Seq
@@ -311,8 +311,5 @@ def _round(value: float | None) -> float | None:
 
 
 def _conversation(req: GenerationRequest) -> str:
-    """A session for requests that name none: their first user message (as proxy/ does)."""
-    for m in req.messages or ():
-        if m.role == "user":
-            return "h-" + hashlib.sha256(m.content.encode()).hexdigest()[:16]
-    return "r-" + req.request_id
+    """A session for requests that name none: their conversation, else the request."""
+    return conversation_id(req.messages) or "r-" + req.request_id

@@ -24,13 +24,13 @@ from typing import Any
 
 from aiohttp import web
 
-from engine_bridge.types import EngineError, GenerationRequest
+from engine_bridge.types import EngineError, GenerationRequest, conversation_id
 
 from ..dialects import anthropic as anthropic_api
 from ..dialects import openai as openai_api
 from ..errors import ApiError, Dialect, api_error, error_response
 from ..fields import parse_json_object, read_body
-from ..generation import Given, apply_model_settings, conversation_id, request_options
+from ..generation import Given, apply_model_settings, request_options
 from ..state import ENGINE, REQUEST_ID, SETTINGS
 
 DIALECTS = ("openai", "anthropic")

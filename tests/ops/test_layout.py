@@ -186,3 +186,5 @@ def test_the_engine_wings_keep_their_arrows():
     users = {m for m, targets in imports().items() if "engine_bridge.engine" in targets}
     drivers = ("proxy", "engine_bridge.probes", "bench.scenarios")
     assert {m for m in users if not m.startswith(drivers)} == set()
+    # The loaded model and its memory check sit below the scheduler that runs them.
+    assert _reaching("engine_bridge.models", ("engine_bridge.scheduling",)) == {}
