@@ -401,3 +401,43 @@ def _volatile(path: tuple) -> bool:
 
 def _steady(stats: dict) -> list:
     return [(p, v) for p, v in _json_leaves(stats) if not _volatile(p)]
+
+
+# Every counter family /metrics exposes, written out here rather than read from
+# metric_names (the code under test): a counter retyped as a gauge, or one that lost its
+# `_total`, breaks dashboards' rate() queries, and fails this test.
+COUNTER_FAMILIES = frozenset(
+    """
+cached_tokens_total completion_tokens_total decode_steps_total decode_tokens_total
+http_errors_total memory_freed_bytes_total memory_shrinks_total prompt_tokens_total
+proxy_responses_evicted_total ram_dedupe_hits_total ram_evicted_bytes_total
+ram_evictions_total ram_reserve_failures_total ram_spill_errors_total
+ram_superseded_checkpoints_total ram_thinned_checkpoints_total
+reads_budget_refusals_total reads_errors_total reads_late_shared_total
+reads_late_ssd_total reads_prefetches_total reasoning_memo_evicted_total
+reasoning_memo_remembered_total reasoning_memo_restored_total request_reasons_total
+requests_by_source_total requests_bypassed_total requests_cached_tokens_total
+requests_cancelled_total requests_completed_total requests_completion_tokens_total
+requests_finished_total requests_hits_total requests_misses_total
+requests_prompt_tokens_total requests_total scheduler_admission_waits_total
+scheduler_decode_rows_total scheduler_decode_seconds_total
+scheduler_prefill_seconds_total scheduler_prefill_tokens_total scheduler_rejected_total
+speculative_accepted_tokens_total speculative_drafted_tokens_total
+speculative_paused_steps_total speculative_replays_total speculative_rounds_total
+ssd_dedup_skips_total ssd_errors_total ssd_evictions_total ssd_folder_losses_total
+ssd_quarantined_files_total ssd_read_bytes_total ssd_reads_total ssd_resumes_total
+ssd_spills_total ssd_superseded_skips_total ssd_write_drops_total
+ssd_write_throughs_total ssd_writes_total ssd_written_bytes_total
+warm_ahead_already_cached_total warm_ahead_dropped_total warm_ahead_failed_total
+warm_ahead_offered_total warm_ahead_over_budget_total warm_ahead_preempted_total
+warm_ahead_prefill_s_total warm_ahead_tokens_total warm_ahead_warmed_total
+writes_deferred_dropped_total writes_deferred_early_total writes_rewrite_failures_total
+""".split()
+)
+
+
+def test_the_counter_families_are_the_ones_dashboards_rate(server):
+    ask_openai(server.url, system_prompt("counters"), "counters", "counters")
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    counters = {name for name, kind in _types(text) if kind == "counter"}
+    assert counters == COUNTER_FAMILIES, sorted(counters)
