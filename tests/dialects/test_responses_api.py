@@ -137,6 +137,30 @@ def test_greedy_output_equals_chat_completions_and_a_bypassed_request(openai_cli
     assert cached.usage.input_tokens == bypass.usage.input_tokens == chat.usage.prompt_tokens
 
 
+def test_instructions_reach_the_prompt_as_its_system_message(openai_client):
+    """`instructions` is the system turn, as chat completions' system message renders."""
+    t = tag()
+    question = "Which file is newest?"
+    r = openai_client.responses.create(
+        model=LLAMA, instructions=f"You are Codex {t}. Answer tersely.", input=question,
+        max_output_tokens=8, temperature=0,
+    )  # fmt: skip
+    chat = openai_client.chat.completions.create(
+        model=LLAMA,
+        messages=[
+            {"role": "system", "content": f"You are Codex {t}. Answer tersely."},
+            {"role": "user", "content": question},
+        ],
+        max_tokens=8,
+        temperature=0,
+    )
+    bare = openai_client.responses.create(
+        model=LLAMA, input=question, max_output_tokens=8, temperature=0
+    )
+    assert r.usage.input_tokens == chat.usage.prompt_tokens > bare.usage.input_tokens
+    assert text_of(r) == chat.choices[0].message.content
+
+
 def test_turn_two_of_a_conversation_is_served_from_the_cache(openai_client):
     key = f"codex-{tag()}"
     turn1 = conversation(key)
