@@ -188,3 +188,14 @@ def test_the_engine_wings_keep_their_arrows():
     assert {m for m in users if not m.startswith(drivers)} == set()
     # The loaded model and its memory check sit below the scheduler that runs them.
     assert _reaching("engine_bridge.models", ("engine_bridge.scheduling",)) == {}
+
+
+def test_validating_the_config_imports_no_mlx():
+    """`serve --print-config`, `doctor` and config errors answer without loading MLX."""
+    import subprocess
+    import sys
+
+    code = "import sys, proxy.config.loader, proxy.config.validate; print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))"  # noqa: E501
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,8 +1,8 @@
 """Speculative decoding: drafters propose tokens, the model checks a run of them in one pass.
 
 - `drafters`: where proposals come from (prompt lookup; the test drafters live in tests/).
-- `mtp`: the draft head Qwen3.5/3.6 checkpoints ship (`mtp.*`), read back from the files
-  mlx-lm loads without it; the runner primes it at prefill and feeds it every committed
+- `mtp`: the drafter that runs the head Qwen3.5/3.6 checkpoints ship (`mtp.*`, read back by
+  models/mtp_head.py); the runner primes it at prefill and feeds it every committed
   position.
 - `acceptance`: the rule that keeps the output the model's own, greedy or sampled.
 - `control`: how many tokens to draft for a sequence, from its running acceptance.

@@ -14,9 +14,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-import mlx.core as mx
-
-from . import mtp
 from .drafters import Drafter, PromptLookup
 
 if TYPE_CHECKING:
@@ -57,6 +54,8 @@ class SpeculativeSettings:
         asked; None: decode plainly ("off", or "mtp" on a model without a head)."""
         if self.drafter is not None:
             return self.drafter(prompt)
+        from . import mtp  # mlx: not when the config is only validated (proxy/config/)
+
         auto = self.mode == Mode.AUTO
         if (
             (self.mode == Mode.MTP or (auto and auto_mtp()))
@@ -78,6 +77,8 @@ def auto_mtp() -> bool:
     prompt lookup there, which measured 1.3-2.0x plain decode on a copied edit on mlx[cpu]'s
     bundled reference BLAS, 2.2-3.2x with OpenBLAS preloaded (ops/blas.py), and within the
     machine's noise of it when every draft is wrong (bench `speculative`)."""
+    import mlx.core as mx
+
     return mx.default_device().type == mx.DeviceType.gpu
 
 
