@@ -23,6 +23,8 @@ class ProxySettings:
     default_tenant: str = "local"
     # [model."<pattern>"]: defaults for what a request leaves unset (proxy/generation.py).
     model_settings: ModelSettingsTable = field(default_factory=ModelSettingsTable)
+    # Seconds a stream may stay silent before the dialect sends its keepalive beat; 0: never.
+    stream_keepalive_s: float = 10.0
 
 
 ENGINE = web.AppKey("engine", Engine)

@@ -118,6 +118,7 @@ def proxy_settings(config: Config) -> ProxySettings:
         tenant_api_keys=dict(config.tenants.api_keys),
         default_tenant=config.tenants.default,
         model_settings=model_settings(config),
+        stream_keepalive_s=parse_duration(config.server.stream_keepalive),
     )
 
 

@@ -43,6 +43,9 @@ class ServerConfig:
     cors_origins: list[str] = field(default_factory=list)
     # Listen on a non-loopback address without [tenants] api_keys (serve --insecure).
     insecure: bool = False
+    # A stream silent this long (a long prompt's prefill before the first token) gets a beat
+    # its client ignores but counts as activity; "10s", "1m" or seconds; 0 turns it off.
+    stream_keepalive: str | float = "10s"
 
 
 @dataclass(slots=True)

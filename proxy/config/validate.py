@@ -48,6 +48,7 @@ def validate(config: Config, origins: Origins) -> None:
     check("server.port", 0 <= s.port <= 65535, f"port {s.port} is not in 0..65535")
     check("server.max_body_bytes", s.max_body_bytes > 0, "must be positive")
     check("server.log_level", s.log_level.lower() in LOG_LEVELS, f"must be one of {LOG_LEVELS}")
+    parses("server.stream_keepalive", parse_duration, s.stream_keepalive)
     for name, entries, entry_check in (
         ("allowed_hosts", s.allowed_hosts, check_host_entry),
         ("cors_origins", s.cors_origins, check_origin_entry),

@@ -365,6 +365,9 @@ async def messages(request: web.Request, body: dict) -> web.StreamResponse:
     index = -1
     open_kind: str | None = None
 
+    async def ping() -> None:
+        await sse.event("ping", {"type": "ping"})
+
     async def close_block() -> None:
         nonlocal open_kind
         if open_kind == "reasoning":
@@ -397,8 +400,9 @@ async def messages(request: web.Request, body: dict) -> web.StreamResponse:
                 },
             },
         )
-        await sse.event("ping", {"type": "ping"})
-        async for p in gen.parts():
+        await ping()
+        # A ping each keepalive while no token comes (a long prefill): the SDKs skip it.
+        async for p in sse.kept_alive(gen.parts(), ping):
             seen.append(p)
             if p.kind == "tool_call":
                 await close_block()

@@ -406,7 +406,7 @@ async def chat_completions(
     seen: list[Part] = []
     try:
         await sse.data(chunk({"role": "assistant", "content": ""}))
-        async for p in gen.parts():
+        async for p in sse.kept_alive(gen.parts()):
             seen.append(p)
             if p.kind == "text":
                 await sse.data(chunk({"content": p.text}))
@@ -482,7 +482,7 @@ async def completions(
         }
 
     try:
-        async for p in gen.parts():
+        async for p in sse.kept_alive(gen.parts()):
             await sse.data(chunk(p.text))
         last = chunk("", finish())
         if lmstudio:

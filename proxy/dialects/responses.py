@@ -272,11 +272,16 @@ async def responses(request: web.Request, body: dict) -> web.StreamResponse:
         await sse.event(kind, {"type": kind, "sequence_number": sequence, **fields})
         sequence += 1
 
+    async def in_progress() -> None:
+        await emit("response.in_progress", response=answer.json("in_progress", out.items))
+
     out = Output(plan.tools, emit)
     try:
         await emit("response.created", response=answer.json("in_progress", []))
-        await emit("response.in_progress", response=answer.json("in_progress", []))
-        async for p in gen.parts():
+        await in_progress()
+        # The keepalive beat is that event again, numbered in line: Codex resets its idle
+        # timer only on a dispatched event (an SSE comment is none), and ignores this one.
+        async for p in sse.kept_alive(gen.parts(), in_progress):
             await out.add(p)
         await emit("response.completed", response=await answer.finish(request, gen, out))
         await sse.end()

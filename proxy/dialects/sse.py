@@ -2,17 +2,57 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
 
 from ..errors import ApiError, Dialect, error_body
+from ..state import SETTINGS
 
 log = logging.getLogger("proxy.dialects.sse")
+
+T = TypeVar("T")
+Beat = Callable[[], Awaitable[None]]
+_END = object()
+
+
+async def keepalive(items: AsyncIterator[T], interval: float, beat: Beat) -> AsyncIterator[T]:
+    """`items` as they come, and `await beat()` each `interval` seconds that pass without one
+    (a long prompt's prefill before the first token); `interval` <= 0: no beats."""
+    if interval <= 0:
+        async for item in items:
+            yield item
+        return
+    while True:
+        # The next item is awaited in a task of its own: a timeout that cancelled `__anext__`
+        # would end the generation.
+        step = asyncio.create_task(_next(items))
+        try:
+            while not (await asyncio.wait({step}, timeout=interval))[0]:
+                await beat()
+        except BaseException:
+            # The consumer stopped (the client gone, its handler cancelled, a beat that could
+            # not be written): the wait is cancelled and awaited, which releases the
+            # generation and leaves no task behind.
+            step.cancel()
+            await asyncio.wait({step})
+            if not step.cancelled():
+                step.exception()  # retrieved: the consumer's own error is the one that counts
+            raise
+        item = step.result()
+        if item is _END:
+            return
+        yield item
+
+
+async def _next(items: AsyncIterator[Any]) -> Any:
+    return await anext(items, _END)
 
 
 class SSEWriter:
@@ -43,6 +83,15 @@ class SSEWriter:
         await self.response.prepare(self.request)
         # From here on the status is sent: a failure must end this stream, not answer anew.
         self.request[STREAM] = self
+
+    def kept_alive(self, items: AsyncIterator[T], beat: Beat | None = None) -> AsyncIterator[T]:
+        """`items`, with `beat` (an SSE comment unless given) each `[server] stream_keepalive`
+        that passes without one, so a client's read or idle timeout outlasts a long prefill."""
+        return keepalive(items, self.request.app[SETTINGS].stream_keepalive_s, beat or self.comment)
+
+    async def comment(self) -> None:
+        """An SSE comment line: every SSE parser skips it, and it is bytes on the wire."""
+        await self.response.write(b": keepalive\n\n")
 
     async def data(self, payload: dict[str, Any]) -> None:
         await self.response.write(b"data: " + orjson.dumps(payload) + b"\n\n")

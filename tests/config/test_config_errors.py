@@ -122,6 +122,7 @@ def test_bool_is_not_an_int_and_int_widens_to_float(tmp_path):
     [
         ("[server]\nport = 70000", "server.port", "not in 0..65535"),
         ("[server]\nlog_level = 'loud'", "server.log_level", "must be one of"),
+        ("[server]\nstream_keepalive = 'soon'", "server.stream_keepalive", "invalid duration"),
         ("[upstream]\nurl = 'localhost:1234'", "upstream.url", "not an http"),
         ("[cache.ram]\nbudget = 'lots'", "cache.ram.budget", "invalid size"),
         ("[cache.ram]\nbudget = '150%'", "cache.ram.budget", "percent must be in"),

@@ -244,10 +244,19 @@ CODEX_PROVIDER = "mlx-prompt-cache"
 CODEX_KEY_ENV = "MLX_PROMPT_CACHE_API_KEY"
 
 
-def codex_config(base_url: str, model: str) -> str:
-    """config.toml for a Codex that talks only to `base_url` (the proxy's root)."""
+def codex_config(
+    base_url: str,
+    model: str,
+    *,
+    idle_timeout_ms: int = 900_000,
+    instructions_file: Path | None = None,
+) -> str:
+    """config.toml for a Codex that talks only to `base_url` (the proxy's root); it gives up
+    on a stream that dispatches no event for `idle_timeout_ms`. `instructions_file` replaces
+    Codex's own instructions (about 5k tokens) with that file's."""
+    instructions = f'model_instructions_file = "{instructions_file}"\n' if instructions_file else ""
     return f"""\
-model = "{model}"
+{instructions}model = "{model}"
 model_provider = "{CODEX_PROVIDER}"
 check_for_update_on_startup = false
 
@@ -259,7 +268,7 @@ env_key = "{CODEX_KEY_ENV}"
 # A failing server fails the run at once instead of after a round of retries.
 request_max_retries = 0
 stream_max_retries = 0
-stream_idle_timeout_ms = 900000
+stream_idle_timeout_ms = {idle_timeout_ms}
 
 [analytics]
 enabled = false
@@ -273,10 +282,11 @@ enabled = false
 """
 
 
-def codex_env(home: Path, base_url: str, model: str) -> dict[str, str]:
+def codex_env(home: Path, base_url: str, model: str, config: str | None = None) -> dict[str, str]:
+    """`config`: the config.toml to run with, codex_config's defaults unless given."""
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)
-    (codex_home / "config.toml").write_text(codex_config(base_url, model))
+    (codex_home / "config.toml").write_text(config or codex_config(base_url, model))
     return {
         **_base_env(home),
         "CODEX_HOME": str(codex_home),
@@ -294,6 +304,7 @@ def run_codex(
     base_url: str,
     model: str,
     timeout: float = 600,
+    config: str | None = None,
 ) -> Run:
     """`codex exec --json PROMPT`: no approvals, no sandbox, outside a git repo."""
     assert cli.path is not None, cli.why_missing
@@ -312,7 +323,7 @@ def run_codex(
         model,
         prompt,
     ]
-    return _run(argv, codex_env(home, base_url, model), cwd, timeout)
+    return _run(argv, codex_env(home, base_url, model, config), cwd, timeout)
 
 
 # --- What the model is made to write -------------------------------------------------------
