@@ -28,6 +28,7 @@ SCENARIOS = (
     "wear",
     "vision",
     "speculative",
+    "tier-stall",
 )
 HYBRID_DEFAULT = ("demo-hybrid", "demo-swa", "demo-qwen36")
 

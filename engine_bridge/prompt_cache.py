@@ -3,6 +3,11 @@
 A session restores the deepest cached state for the request's tokens, says where prefill
 must pause so that checkpoints land on message starts, and stores what the request
 computed at each save point (prefill chunks, end of prompt, end of generation).
+
+Before the request is queued, `read_ahead` reads what its lookup needs below RAM (the
+SSD's index and files, the shared store) on the tiers' I/O threads, each tier under a
+deadline (cache/tier_reads.py); `restore`, on the MLX thread, then looks up RAM and those
+bytes and promotes them, with no I/O of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from .cache.hashing import Chain, ExtraKeys
 from .cache.kinds import CheckpointReason, SavePoint
 from .cache.session_registry import SessionKey
 from .cache.ssd.index import Scope
+from .cache.tier_reads import Prefetched
 from .cache.tiers import Hit, TieredCache
 from .models.loading import LoadedModel
 from .scheduling.jobs import Job
@@ -46,6 +52,8 @@ class LookupReport:
     checkpoint_interval: int
     # What came next was dropped lately: "evicted_ram", "evicted_ssd" or "expired".
     lost: str | None = None
+    # Tiers whose read-ahead missed its deadline, so they were a miss: "ssd", "shared".
+    late: tuple[str, ...] = ()
     message: int | None = None  # the message the divergence falls in
     before: str = ""  # the text just before and after the divergence
     after: str = ""
@@ -92,7 +100,8 @@ class ModelCache:
     def probe(self, job: Job) -> tuple[Hit, int]:
         """What `job`'s lookup would find, and how far this machine's tiers (RAM and SSD)
         reach of it. It only reads: nothing promoted, pinned, reordered or written (no
-        `catch_up`, which a request's restore makes first); on the MLX thread all the same."""
+        `catch_up`, which a request's restore makes first). It asks the SSD and the shared
+        store itself, where it runs: any thread."""
         session = self.session(job)
         needs = self.needs_checkpoint
         hit = self.tiers.lookup(session.chain, session.scope, needs_checkpoint=needs)
@@ -119,23 +128,43 @@ class CacheSession:
             else None
         )
         self.lookup: LookupReport | None = None  # set by `restore`
+        self._read: Prefetched | None = None  # set by `read_ahead`, taken by `restore`
 
     # -- restore ---------------------------------------------------------------------------
+
+    async def read_ahead(self) -> None:
+        """Read what this request's lookup needs below RAM on the tiers' I/O threads, while
+        the request waits here, before it is queued for the MLX thread."""
+        snapshots = self.owner.needs_checkpoint
+        starts = self.job.prompt.message_starts if snapshots else ()
+        self._read = await self.tiers.reads.prefetch(self.chain, self.scope, snapshots, starts)
+
+    def discard(self) -> None:
+        """Let go of what was read ahead for a request that never reached `restore`."""
+        read, self._read = self._read, None
+        if read is not None:
+            read.close()
 
     def restore(self) -> tuple[list[Any], int, CacheSource]:
         model = self.owner.loaded.model
         snapshots = self.owner.needs_checkpoint
         # The writes a request makes first (lost entries, due checkpoints), then a lookup
-        # that only reads, as the probe's does.
+        # that only reads: RAM, and below it what was read ahead (without a read-ahead,
+        # the tiers themselves, as the probe's lookup asks them).
         self.tiers.catch_up(self.scope, needs_checkpoint=snapshots)
-        hit = self.tiers.lookup(self.chain, self.scope, needs_checkpoint=snapshots)
-        promoted = hit.ssd is not None and self.tiers.promote(hit)
+        read, self._read = self._read, None
+        try:
+            hit = self.tiers.lookup(self.chain, self.scope, needs_checkpoint=snapshots, below=read)
+            promoted = hit.ssd is not None and self.tiers.promote(hit)
+        finally:
+            if read is not None:
+                read.close()  # promoted: arrays now; the rest is not needed
         source: CacheSource = ("shared" if hit.from_shared else "ssd") if promoted else "ram"
         # Pinned, so nothing is evicted before the copy below is taken; every step up to
         # the copy sits inside the `try`, since an entry left pinned is never evicted.
         match = self.tiers.pin(hit, promoted=promoted)
         try:
-            self.lookup = self._report(hit, match.length)
+            self.lookup = self._report(hit, match.length, read)
             self._log_divergence(self.lookup)
             ckpt_used = match.checkpoint
             self._note(match.length // self.bs, ckpt_used and (ckpt_used.key, ckpt_used.position))
@@ -150,14 +179,16 @@ class CacheSession:
         self._stored_blocks = match.length // self.bs
         return cache, match.length, source
 
-    def _report(self, hit: Hit, restored: int) -> LookupReport:
+    def _report(self, hit: Hit, restored: int, read: Prefetched | None) -> LookupReport:
         prompt = self.job.prompt
         # What a deeper hit would have needed next: the block the hit ends in, and for
         # snapshot models the checkpoints at message starts past it.
         positions = (
             [p for p in prompt.message_starts if p > restored] if hit.needs_checkpoint else []
         )
-        lost = self.tiers.lost(self.chain, self.scope, restored // self.bs, positions)
+        # Which evicted entries the SSD holds, as read ahead: no index query here.
+        on_disk = read.on_disk if read is not None else None
+        lost = self.tiers.lost(self.chain, self.scope, restored // self.bs, positions, on_disk)
         policy = self.owner.policy
         report = LookupReport(
             restored,
@@ -166,6 +197,7 @@ class CacheSession:
             hit.needs_checkpoint,
             policy.checkpoint_interval,
             lost,
+            tuple(read.late) if read is not None else (),
         )
         lcp = hit.diverged_at
         if lcp is not None:

@@ -418,7 +418,7 @@ def _agent_rows(result: ScenarioResult, case: dict) -> None:
 
 def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
     from .concurrency import concurrency
-    from .overhead import overhead
+    from .overhead import overhead, tier_stall
     from .restart import restart
     from .shared import shared
     from .speculative import scenario as speculative
@@ -438,6 +438,7 @@ def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
         "wear": wear,
         "vision": vision,
         "speculative": speculative,
+        "tier-stall": tier_stall,
     }
 
 

@@ -6,17 +6,20 @@ with its `host_hit_length`), and only reads: the probe route asks it too, and a 
 own writes before it (`catch_up`) run apart. RAM is matched once per lookup; promotion and
 pinning reuse that match. `promote` brings the SSD part into RAM, reserving the budget
 before it reads and falling back to a shallower checkpoint when an entry turns out corrupt.
+The tiers below RAM are asked through a `Below` (tier_reads.py): the SSD and the store
+themselves (the probe's lookup), or, for a request, the bytes read for it on I/O threads
+before it was queued, so its lookup and promotion on the MLX thread do no I/O.
 What is stored goes to SSD as `[cache.ssd] write_policy` says, and what RAM evicts spills
 there (tier_writes.py). Under the SSD, an optional shared store (Redis/Valkey, several
 machines) is asked for what RAM and the SSD lack, and written by its own policy
-(shared_tier.py). Payloads cross to host bytes through a `Codec`, which `kv`
+(shared/tier.py). Payloads cross to host bytes through a `Codec`, which `kv`
 implements, so this package never imports mlx.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,36 +30,32 @@ from engine_bridge.cache.ram.manager import CacheManager, CacheStats
 from engine_bridge.cache.ram.matching import Match
 from engine_bridge.cache.ssd.index import Scope
 from engine_bridge.cache.ssd.store import SSDStats, SSDStore
+from engine_bridge.cache.tier_reads import (
+    PROMOTION_TRIES,
+    Below,
+    LiveBelow,
+    ReadStats,
+    SSDReadPlan,
+    TierReads,
+)
 from engine_bridge.cache.tier_writes import META_REASON, Codec, Stored, TierWrites, WriteStats
 from engine_bridge.cache.write_policy import WritePolicy
 
 if TYPE_CHECKING:
     from engine_bridge.cache.shared.store import SharedStats
     from engine_bridge.cache.shared.tier import SharedTier
-    from engine_bridge.cache.ssd.store import SSDEntry
 
 __all__ = ["Codec", "Hit", "SSDReadPlan", "Stored", "TierStats", "TieredCache"]
 
 log = logging.getLogger(__name__)
+BLOCK = EntryKind.BLOCK
 
-# Corrupt entries met during one promotion before it settles for what it has.
-_PROMOTION_TRIES = 4
 # Block presence is asked of the SSD index this many hashes at a time, then twice as many:
 # a cold prompt costs one small query, a long hit a handful.
 _PRESENCE_STEP = 64
 # Entries the SSD lost are put again this many per request at most (on the MLX thread,
 # since turning a payload into host bytes evaluates it), so no request stalls for long.
 _REWRITE_STEP = 32
-
-
-@dataclass(slots=True, frozen=True)
-class SSDReadPlan:
-    """What the SSD adds: read `blocks` (chain indices, in order), then the checkpoint at
-    `checkpoint` if set, to resume at `length`."""
-
-    length: int
-    blocks: tuple[int, ...]
-    checkpoint: int | None
 
 
 @dataclass(slots=True)
@@ -74,6 +73,7 @@ class Hit:
     # Where the prompt left a sequence RAM holds part way (not merely ran past its end).
     diverged_at: int | None
     from_shared: bool = False  # promotion read entries from the shared store
+    below: Below | None = None  # what was asked below RAM (promotion reads through it)
 
     @property
     def ram_length(self) -> int:
@@ -91,6 +91,7 @@ class TierStats:
     ssd: SSDStats | None
     shared: SharedStats | None = None
     writes: WriteStats | None = None  # None without an SSD
+    reads: ReadStats | None = None  # None without an SSD or a shared store
 
 
 class TieredCache:
@@ -118,6 +119,10 @@ class TieredCache:
         self.shared = shared
         if shared is not None:
             shared.bind(self.writes.host_bytes, ssd)
+        # Below RAM as it is (the probe's lookups), and the I/O threads a request reads
+        # ahead on before it is queued (tier_reads.py).
+        self.live = LiveBelow(ssd, shared)
+        self.reads = TierReads(ram, ssd, shared, self._plan)
 
     @property
     def policy(self) -> WritePolicy:
@@ -147,25 +152,30 @@ class TieredCache:
         and held-back checkpoint writes that came due go out. The probe never calls it."""
         self.writes.catch_up(scope, snapshots=needs_checkpoint, rewrites=_REWRITE_STEP)
 
-    def lookup(self, chain: Chain, scope: Scope, *, needs_checkpoint: bool) -> Hit:
+    def lookup(
+        self, chain: Chain, scope: Scope, *, needs_checkpoint: bool, below: Below | None = None
+    ) -> Hit:
         """One look through every tier; reads index rows, never entry files, and writes
-        nothing (no put, no flush, no LRU refresh): a probe may call it freely."""
+        nothing (no put, no flush, no LRU refresh): a probe may call it freely. `below`:
+        what a request read ahead (then no I/O here), else the tiers themselves."""
+        below = self.live if below is None else below
         ram, prefix = self.ram.matches(chain, needs_checkpoint=needs_checkpoint)
         last = len(chain) - 1
         diverged = prefix.length if prefix.diverged and 0 < prefix.length < last else None
         ssd = None
         # RAM reaching the last prompt token leaves the SSD nothing to add.
-        if (self.ssd is not None or self.shared is not None) and ram.length < last:
-            ssd = self._plan(chain, scope, needs_checkpoint, ram.length, last)
-        return Hit(chain, scope, needs_checkpoint, ram, prefix, ssd, diverged)
+        if (below.has_ssd or below.has_shared) and ram.length < last:
+            ssd = self._plan(chain, scope, needs_checkpoint, ram.length, last, below)
+        return Hit(chain, scope, needs_checkpoint, ram, prefix, ssd, diverged, below=below)
 
     def local_length(self, hit: Hit) -> int:
         """How far RAM and this machine's SSD reach without the shared store: where a
         probe's SSD tokens end and its shared ones begin."""
         if self.shared is None or hit.ssd is None:
             return hit.length
-        chain, last = hit.chain, len(hit.chain) - 1
-        plan = self._plan(chain, hit.scope, hit.needs_checkpoint, hit.ram_length, last, False)
+        chain, scope, last = hit.chain, hit.scope, len(hit.chain) - 1
+        snapshots, below = hit.needs_checkpoint, self._below(hit)
+        plan = self._plan(chain, scope, snapshots, hit.ram_length, last, below, shared=False)
         return plan.length if plan is not None else hit.ram_length
 
     def _plan(
@@ -175,6 +185,7 @@ class TieredCache:
         snapshots: bool,
         ram_length: int,
         reach: int,
+        below: Below,
         shared: bool = True,
     ) -> SSDReadPlan | None:
         """The deepest position up to `reach` that RAM and SSD (and the shared store, unless
@@ -183,17 +194,18 @@ class TieredCache:
         last = len(chain) - 1  # always leave one token to prefill
         # Count full blocks of this chain only: a paged hit that ends mid-block may end in a
         # sibling's block, which is not on the request's chain.
-        usable = self._present_blocks(chain, scope, ram_length // bs, shared)
+        usable = self._present_blocks(chain, scope, ram_length // bs, below, shared)
         reach = min(reach, last, usable * bs + bs - 1)  # a checkpoint can sit mid-block
         if snapshots:
-            checkpoint = self._find_checkpoint(chain, scope, ram_length, reach, shared)
+            checkpoint = self._find_checkpoint(chain, scope, ram_length, reach, below, shared)
             if checkpoint is None:
                 return None
             target = checkpoint
         else:
             # Paged layers restore from blocks alone; a checkpoint only adds its partial tail.
             base = min(usable * bs, reach)
-            checkpoint = self._find_checkpoint(chain, scope, max(ram_length, base), reach, shared)
+            lo = max(ram_length, base)
+            checkpoint = self._find_checkpoint(chain, scope, lo, reach, below, shared)
             target = checkpoint if checkpoint is not None else base
         if target <= ram_length:
             return None
@@ -202,16 +214,18 @@ class TieredCache:
         missing = tuple(i for i, present in enumerate(in_ram) if not present)
         return SSDReadPlan(target, missing, checkpoint)
 
-    def _present_blocks(self, chain: Chain, scope: Scope, start: int, shared: bool = True) -> int:
+    def _present_blocks(
+        self, chain: Chain, scope: Scope, start: int, below: Below, shared: bool = True
+    ) -> int:
         """How many leading blocks of the chain are in RAM or on disk; [0, start) are in RAM.
 
         Both count: a hot prefix stays in RAM and is never spilled (so it is not on disk
         without write-through), while the tail behind it was evicted and spilled.
         """
-        i, step, gap = start, _PRESENCE_STEP, self.ssd is None
+        i, step, gap = start, _PRESENCE_STEP, not below.has_ssd
         while not gap and i < len(chain.hashes):
             keys = chain.hashes[i : i + step]
-            on_disk = self.ssd.contains_many(scope, EntryKind.BLOCK, keys)
+            on_disk = below.blocks_present(scope, keys)
             in_ram = self.ram.has_blocks(keys)
             for disk, ram in zip(on_disk, in_ram, strict=True):
                 if not (disk or ram):
@@ -219,28 +233,29 @@ class TieredCache:
                     break
                 i += 1
             step *= 2
-        if shared and self.shared is not None and i < len(chain.hashes):
+        if shared and below.has_shared and i < len(chain.hashes):
             rest = chain.hashes[i:]  # what RAM and the SSD lack: the shared store
-            i += self.shared.present_blocks(scope, rest, self.ram.has_blocks(rest))
+            i += below.shared_blocks(scope, rest, self.ram.has_blocks(rest))
         return i
 
     def _find_checkpoint(
-        self, chain: Chain, scope: Scope, lo: int, hi: int, shared: bool = True
+        self, chain: Chain, scope: Scope, lo: int, hi: int, below: Below, shared: bool = True
     ) -> int | None:
         """The deepest position in (lo, hi] with a checkpoint below RAM for this chain."""
-        found = self._find_on_ssd(chain, scope, lo, hi) if self.ssd is not None else None
-        if shared and self.shared is not None:
-            deeper = self.shared.deepest_checkpoint(chain, scope, found or lo, hi)
+        found = self._find_on_ssd(chain, scope, lo, hi, below) if below.has_ssd else None
+        if shared and below.has_shared:
+            deeper = below.shared_checkpoint(chain, scope, found or lo, hi)
             found = deeper if deeper is not None else found
         return found
 
-    def _find_on_ssd(self, chain: Chain, scope: Scope, lo: int, hi: int) -> int | None:
+    def _find_on_ssd(
+        self, chain: Chain, scope: Scope, lo: int, hi: int, below: Below
+    ) -> int | None:
         """The deepest checkpoint of `chain` on disk in (lo, hi]. The index is asked once
         for the checkpoints it holds in that range (any chain's: few, next to the
         distance), not about every position a checkpoint could sit at."""
-        assert self.ssd is not None
         keys: dict[int, bytes] = {}  # this chain's key at each position the index names
-        for position, key in self.ssd.checkpoints_between(scope, lo, hi):
+        for position, key in below.checkpoints_between(scope, lo, hi):
             if position not in keys:
                 keys[position] = chain.checkpoint_key(position)
             if key == keys[position]:
@@ -248,11 +263,17 @@ class TieredCache:
         return None
 
     def lost(
-        self, chain: Chain, scope: Scope, block: int, checkpoints: Sequence[int] = ()
+        self,
+        chain: Chain,
+        scope: Scope,
+        block: int,
+        checkpoints: Sequence[int] = (),
+        on_disk: Collection[bytes] | None = None,
     ) -> str | None:
         """Why the entries after a hit are gone when a tier dropped them lately: block
         `block` of `chain` and checkpoints at `checkpoints`. "expired" (the SSD's TTL),
-        "evicted_ssd", "evicted_ram", or None (never cached, as far as the records go)."""
+        "evicted_ssd", "evicted_ram", or None (never cached, as far as the records go).
+        `on_disk`: which keys RAM evicted the SSD held, as read ahead (else the index)."""
         keys = [(EntryKind.BLOCK, chain.hashes[block])] if block < len(chain.hashes) else []
         keys += [(EntryKind.CHECKPOINT, chain.checkpoint_key(p)) for p in checkpoints]
         for kind, key in keys:
@@ -261,7 +282,11 @@ class TieredCache:
                 return "expired" if cause == "expired" else "evicted_ssd"
             cause = self.ram.evicted.cause(key)
             if cause is not None:
-                if self.ssd is not None and self.ssd.contains_many(scope, kind, [key])[0]:
+                if self.ssd is not None and (
+                    key in on_disk
+                    if on_disk is not None
+                    else self.ssd.contains_many(scope, kind, [key])[0]
+                ):
                     continue  # spilled: still on disk, so not what cut this hit short
                 return "expired" if cause == "expired" else "evicted_ram"
         return None
@@ -305,7 +330,7 @@ class TieredCache:
         next shallower plan rather than to nothing.
         """
         plan = hit.ssd
-        if plan is None or (self.ssd is None and self.shared is None):
+        if plan is None:
             return False
         chain, ram_length = hit.chain, hit.ram_length
         # Pin what RAM holds of the path: under a tight budget it is the least recently used
@@ -316,11 +341,12 @@ class TieredCache:
         if held.length and not self.ram.acquire(held):
             held = self.ram.match(chain, needs_checkpoint=False, pin=True)
         try:
-            for _ in range(_PROMOTION_TRIES):
+            for _ in range(PROMOTION_TRIES):
                 outcome = self._read_into_ram(hit, plan)
                 if isinstance(outcome, bool):
                     return outcome
-                plan = self._plan(chain, hit.scope, hit.needs_checkpoint, ram_length, outcome)
+                snapshots, below = hit.needs_checkpoint, self._below(hit)
+                plan = self._plan(chain, hit.scope, snapshots, ram_length, outcome, below)
                 if plan is None:
                     return False
             return False
@@ -328,16 +354,23 @@ class TieredCache:
             if held.pinned:
                 self.ram.release(held)
 
+    def _below(self, hit: Hit) -> Below:
+        return self.live if hit.below is None else hit.below
+
     def _read_into_ram(self, hit: Hit, plan: SSDReadPlan) -> bool | int:
         """Promote `plan`; True/False when done, or a lower reach to plan again with."""
         chain, scope, bs = hit.chain, hit.scope, hit.chain.block_size
+        below = self._below(hit)
         reserved: list[int] = []
         read: dict[int, Stored] = {}
         failed_at = None
         try:
-            fetched = self._fetch_shared(scope, [chain.hashes[i] for i in plan.blocks], reserved)
-            for i in plan.blocks:
-                stored = self._read(scope, EntryKind.BLOCK, chain.hashes[i], reserved, fetched)
+            # The blocks of the run the SSD lacks, from the store in one round trip.
+            keys, fetched = [chain.hashes[i] for i in plan.blocks], {}
+            if below.has_shared and keys:
+                fetched = below.fetch_shared(scope, BLOCK, keys, *self._reservation(reserved))
+            for i, key in zip(plan.blocks, keys, strict=True):
+                stored = self._read(below, scope, BLOCK, key, reserved, fetched)
                 if stored is None:
                     failed_at = i
                     break
@@ -360,7 +393,7 @@ class TieredCache:
         reserved.clear()
         key = chain.checkpoint_key(plan.checkpoint)
         try:
-            stored = self._read(scope, EntryKind.CHECKPOINT, key, reserved)
+            stored = self._read(below, scope, EntryKind.CHECKPOINT, key, reserved)
         finally:
             self.ram.unreserve(sum(reserved))
         if stored is None:
@@ -371,33 +404,21 @@ class TieredCache:
         self.ram.insert_checkpoint(chain, plan.checkpoint, stored[0], stored[1])
         return True
 
-    def _fetch_shared(
-        self, scope: Scope, keys: list[BlockHash], reserved: list[int]
-    ) -> dict[BlockHash, SSDEntry]:
-        """The blocks of a run that the SSD lacks, from the shared store in one round trip."""
-        if self.shared is None or not keys:
-            return {}
-        return self.shared.fetch(scope, EntryKind.BLOCK, keys, *self._reservation(reserved))
-
     def _read(
         self,
+        below: Below,
         scope: Scope,
         kind: EntryKind,
         key: BlockHash,
         reserved: list[int],
-        fetched: Mapping[BlockHash, SSDEntry] | None = None,
+        fetched: dict[bytes, Any] | None = None,
     ) -> tuple[Stored, CheckpointReason] | None:
-        """Read one entry under a RAM reservation (kept in `reserved`); None is a miss.
-        `fetched`: what the shared store already gave for this run (not asked again)."""
-        reserve, release = self._reservation(reserved)
-        entry, shared = (fetched or {}).get(key), True
-        if entry is None and self.ssd is not None:
-            entry, shared = self.ssd.get(scope, kind, key, reserve=reserve, release=release), False
-        if entry is None and fetched is None and self.shared is not None:
-            entry = self.shared.fetch(scope, kind, [key], reserve, release).get(key)
-            shared = True
-        if entry is None:
+        """Read one entry under a RAM reservation (kept in `reserved`) and make it a
+        payload; None is a miss. `fetched`: what the store gave for this run already."""
+        got = below.read(scope, kind, key, *self._reservation(reserved), fetched)
+        if got is None:
             return None
+        entry, shared = got
         try:
             payload = self.codec.from_host(entry.tensors, entry.meta)
             reason = (
@@ -455,11 +476,13 @@ class TieredCache:
             self.ssd.stats() if self.ssd is not None else None,
             self.shared.stats() if self.shared is not None else None,
             self.writes.stats() if self.ssd is not None else None,
+            self.reads.stats() if self.ssd is not None or self.shared is not None else None,
         )
 
     def close(self, timeout_s: float) -> None:
         """Write what is held back and drain the SSD's queue, for at most `timeout_s`;
         queued shared-store writes get a third of that first."""
+        self.reads.close()
         if self.shared is not None:
             self.shared.close(timeout_s / 3)
         self.writes.close(timeout_s)

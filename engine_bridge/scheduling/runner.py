@@ -5,7 +5,10 @@ runs on the scheduler's thread. Each step, for each model with work, its `Runner
 
 1. **Admit** waiting requests while the model's batch has room and the live K/V fits the
    memory budget, taking sessions in turn (round-robin), so one client's flood does not
-   starve another. Admission looks the prompt up in the prefix cache and restores it.
+   starve another. Admission looks the prompt up in the prefix cache and restores it:
+   what it needs below RAM (SSD, shared store) was read before the request was queued,
+   on the tiers' I/O threads while the request waited in its coroutine (`run`), so a slow
+   tier costs only that request, never a step of the others.
 2. **Prefill** up to `prefill_chunk` prompt tokens: prompts that finish within a chunk
    first, so a short request that arrives during a long cold prefill starts decoding within
    about one chunk; longer ones in the order they were admitted, so none starves. A
@@ -96,11 +99,15 @@ class Runner(Decoding):
         self.active_jobs = 0  # submitted and not yet finished (the idle janitor's test)
         # Those jobs by id: a session delete waits for its session's to end.
         self.live_jobs: dict[int, Job] = {}
+        # Cache sessions made, and read ahead, on the event loop, until admission takes
+        # them (by id(job)).
+        self._sessions: dict[int, CacheSession] = {}
 
     # -- the event-loop side ---------------------------------------------------------------
 
     async def run(self, job: Job) -> AsyncIterator[Event]:
-        """Queue the job and yield its events as the scheduler produces them."""
+        """Read ahead what the job's cache lookup needs below RAM, queue the job, and yield
+        its events as the scheduler produces them."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event | Failed | None] = asyncio.Queue()
         done = loop.create_future()
@@ -113,10 +120,14 @@ class Runner(Decoding):
         def emit(event: Event | Failed | None) -> None:
             self.scheduler.post(loop, deliver, event)
 
-        self.scheduler.submit(self, Pending(job, emit))  # may raise EngineError (429)
+        pending = Pending(job, emit)  # TTFT counts from here: reading ahead is waiting too
         self.active_jobs += 1
         self.live_jobs[id(job)] = job
+        queued = False
         try:
+            await self._read_ahead(job)
+            self.scheduler.submit(self, pending)  # may raise EngineError (429)
+            queued = True
             while True:
                 event = await queue.get()
                 if event is None:
@@ -127,13 +138,30 @@ class Runner(Decoding):
         finally:
             # A consumer that stops early (client gone) frees its slot within one step.
             job.cancel.set()
-            self.scheduler.wake()
             try:
-                await asyncio.shield(done)
+                if queued:
+                    self.scheduler.wake()
+                    await asyncio.shield(done)
             finally:
+                session = self._sessions.pop(id(job), None)  # never admitted
+                if session is not None:
+                    getattr(session, "discard", lambda: None)()
                 self.active_jobs -= 1
                 self.live_jobs.pop(id(job), None)
                 self.last_used = time.monotonic()
+
+    async def _read_ahead(self, job: Job) -> None:
+        """Make the job's cache session, and have it read what its lookup needs below RAM
+        on the tiers' I/O threads (cache/tier_reads.py), each tier under a deadline."""
+        if self._session_factory is None or not job.request.use_cache:
+            return
+        session = self._session_factory(job)
+        if session is None:
+            return
+        self._sessions[id(job)] = session
+        read_ahead = getattr(session, "read_ahead", None)  # prompt_cache.CacheSession's
+        if read_ahead is not None:
+            await read_ahead()
 
     # -- the MLX-thread side ---------------------------------------------------------------
 
@@ -249,8 +277,9 @@ class Runner(Decoding):
         request_id.set(req.request_id or "-")
         seq = Seq(pending, None, self.loaded.tokenizer)
         try:
-            if self._session_factory is not None and req.use_cache:
-                seq.session = self._session_factory(job)
+            seq.session = self._sessions.pop(id(job), None)  # made by `run`, read ahead
+            if seq.session is None and self._session_factory is not None and req.use_cache:
+                seq.session = self._session_factory(job)  # queued without `run`
             if seq.session is not None:
                 t0 = time.perf_counter()
                 seq.cache, seq.position, seq.source = seq.session.restore()

@@ -62,14 +62,23 @@ class SharedTier:
 
     # ---- lookup -------------------------------------------------------------------------
 
-    def present_blocks(self, scope: Scope, hashes: Sequence[bytes], in_ram: list[bool]) -> int:
+    def present_blocks(
+        self,
+        scope: Scope,
+        hashes: Sequence[bytes],
+        in_ram: list[bool],
+        beat: Callable[[], None] = lambda: None,
+    ) -> int:
         """How many leading `hashes` RAM or the store holds. The store is asked about the
         next _BLOCK_STEP blocks RAM lacks, then four times as many: a prompt whose tail
-        it lacks costs one small round trip, a 30k-token hit three."""
+        it lacks costs one small round trip, a 30k-token hit three. `beat()` is called
+        before each round trip (a read-ahead's deadline, tier_reads.py)."""
         n, step = 0, _BLOCK_STEP
         while n < len(hashes):
             end = min(len(hashes), n + step)
             wanted = [h for h, here in zip(hashes[n:end], in_ram[n:end], strict=True) if not here]
+            if wanted:
+                beat()
             sizes = iter(self.store.sizes(scope, EntryKind.BLOCK, wanted))
             for here in in_ram[n:end]:
                 if not (here or next(sizes)):
@@ -78,12 +87,16 @@ class SharedTier:
             step *= 4
         return n
 
-    def deepest_checkpoint(self, chain: Chain, scope: Scope, lo: int, hi: int) -> int | None:
-        """The deepest position in (lo, hi] with a checkpoint in the store for `chain`."""
+    def deepest_checkpoint(
+        self, chain: Chain, scope: Scope, lo: int, hi: int, beat: Callable[[], None] = lambda: None
+    ) -> int | None:
+        """The deepest position in (lo, hi] with a checkpoint in the store for `chain`;
+        `beat()` before each round trip."""
         top, step = hi, _CHECKPOINT_STEP
         while top > lo:
             positions = list(range(top, max(lo, top - step), -1))
             keys = [chain.checkpoint_key(p) for p in positions]
+            beat()
             sizes = self.store.sizes(scope, EntryKind.CHECKPOINT, keys)
             for p, size in zip(positions, sizes, strict=True):
                 if size:
@@ -102,11 +115,14 @@ class SharedTier:
         keys: Sequence[bytes],
         reserve: Callable[[int], bool],
         release: Callable[[int], None],
+        *,
+        local: bool = True,
     ) -> dict[bytes, SSDEntry]:
         """Read from the store, in one round trip, those of `keys` the SSD lacks (SSD reads
-        are local and need no network); the run stops where the reservation says no."""
+        are local and need no network); the run stops where the reservation says no.
+        `local=False`: all of them, the SSD not asked (it missed a read-ahead's deadline)."""
         on_ssd = [False] * len(keys)
-        if self._ssd is not None:
+        if self._ssd is not None and local:
             on_ssd = self._ssd.contains_many(scope, kind, keys)
         wanted = [k for k, local in zip(keys, on_ssd, strict=True) if not local]
         got = self.store.get_many(scope, kind, wanted, reserve=reserve, release=release)
@@ -124,7 +140,9 @@ class SharedTier:
             if not self._share(stored[i], EntryKind.BLOCK, chain.hashes[i], chain.block_size):
                 break
 
-    def stored_checkpoint(self, chain: Chain, entry: Entry | None, reason: CheckpointReason) -> None:
+    def stored_checkpoint(
+        self, chain: Chain, entry: Entry | None, reason: CheckpointReason
+    ) -> None:
         """A checkpoint just stored in RAM (`entry`, None if RAM did not keep it)."""
         if entry is None or entry.superseded or self.policy is SharedWritePolicy.SECOND_USE:
             return
