@@ -31,6 +31,8 @@ class Cached(Protocol):
 
     async def probe(self, req: GenerationRequest) -> ProbeResult: ...
 
+    async def load(self, model_id: str) -> Any: ...
+
     def model_cache(self, model_id: str) -> ModelCache | None: ...
 
 
@@ -58,13 +60,15 @@ async def warm(engine: Cached, req: GenerationRequest, cache_enabled: bool) -> W
         )
         raise EngineError(f"nothing to warm: {why}", status=409)
     start = time.perf_counter()
+    # Loaded first, so a model with no prompt cache is refused before any prefill runs.
+    await engine.load(req.model)
+    if engine.model_cache(req.model) is None:
+        raise EngineError(f"model {req.model!r} has no prompt cache to warm", status=409)
     # max_tokens stays the body's: it is checked as the chat route checks it.
     req = replace(req, prefill_only=True)
     stream = await engine.start(req)
     async for _ in stream:
         pass
-    if engine.model_cache(req.model) is None:
-        raise EngineError(f"model {req.model!r} has no prompt cache to warm", status=409)
     # What the cache reaches now, looked up again: stored means stored, not just prefilled.
     after = await engine.probe(replace(req, prefill_only=False))
     reach = after.ram_tokens + after.ssd_tokens + after.shared_tokens

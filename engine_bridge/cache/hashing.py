@@ -161,3 +161,16 @@ class Chain:
     def checkpoint_key(self, position: int) -> BlockHash:
         """The key a checkpoint at `position` of this chain is stored under."""
         return checkpoint_key(self.anchor(position // self.block_size), self.tail(position))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens two sequences share from the start. Slices are compared (C speed)
+    in shrinking steps; sequences of different types are compared as lists."""
+    if type(a) is not type(b):
+        a, b = list(a), list(b)
+    n = min(len(a), len(b))
+    lo = 0
+    for step in (4096, 256, 16, 1):
+        while lo + step <= n and a[lo : lo + step] == b[lo : lo + step]:
+            lo += step
+    return lo

@@ -19,14 +19,22 @@ from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
+from ..cache.hashing import common_prefix
 from ..prompt_cache import LookupReport
-from ..scheduling.runner import common_prefix
 from ..types import GenerationRequest, GenerationResult, ImageInput, Message, conversation_id
 
-if TYPE_CHECKING:
-    from ..scheduling.sequence import Seq
+
+class Finished(Protocol):
+    """What the log reads of a finished sequence (scheduling/sequence.py's Seq; ops/ sits
+    below the scheduler): its job, its cache session, its output and when it started."""
+
+    job: Any
+    session: Any
+    out: list[int]
+    start: float
+
 
 log = logging.getLogger("engine_bridge.ops.request_log")
 
@@ -245,7 +253,7 @@ class RequestLog:
         # Requests by (model, reason) since start: what /metrics counts misses by.
         self._reasons: Counter[tuple[str, MissReason]] = Counter()
 
-    def on_done(self, seq: Seq, result: GenerationResult) -> None:
+    def on_done(self, seq: Finished, result: GenerationResult) -> None:
         """Record a finished sequence (the runner's `on_done`)."""
         job = seq.job
         req, prompt = job.request, job.prompt

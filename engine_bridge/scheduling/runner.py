@@ -25,7 +25,6 @@ The event loop only waits on an asyncio queue per request, fed from this thread.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections import deque
@@ -36,10 +35,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from .. import kv
+from ..cache.hashing import common_prefix
 from ..cache.kinds import SavePoint
 from ..logctx import request_id
 from ..models.loading import LoadedModel
-from ..types import GenerationRequest, GenerationResult, PromptInfo
+from ..types import GenerationRequest, GenerationResult, PromptInfo, conversation_id
 from .decoding import Decoding
 from .fair_queue import FairQueue
 from .jobs import CacheSession, Event, Failed, Job, Pending
@@ -56,7 +56,7 @@ log = logging.getLogger("engine_bridge.scheduling.runner")
 # tokens of its prompt (one cache block), rather than compute them a second time.
 SHARED_PREFIX_MIN = 64
 
-__all__ = ["CacheSession", "Event", "Job", "Runner", "common_prefix"]
+__all__ = ["CacheSession", "Event", "Job", "Runner"]
 
 
 # --- one model ------------------------------------------------------------------------------
@@ -464,22 +464,11 @@ class Runner(Decoding):
         seq.emit(None)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix, comparing slices (C speed), not elements."""
-    n = min(len(a), len(b))
-    lo = 0
-    for step in (4096, 256, 16, 1):
-        while lo + step <= n and a[lo : lo + step] == b[lo : lo + step]:
-            lo += step
-    return lo
-
-
 def lane(req: GenerationRequest) -> str:
     """The session a request waits in line as: the client's session id when it sends one,
-    else its conversation (the first user message), else the request itself."""
+    else its conversation (types.conversation_id), else the request itself."""
     if req.session:
         return "s:" + req.session
-    for m in req.messages or ():
-        if m.role == "user":
-            return "c:" + hashlib.blake2b(m.content.encode(), digest_size=8).hexdigest()
+    if conversation := conversation_id(req.messages):
+        return "c:" + conversation
     return "r:" + (req.request_id or str(id(req)))

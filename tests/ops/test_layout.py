@@ -188,6 +188,8 @@ def test_the_engine_wings_keep_their_arrows():
     assert {m for m in users if not m.startswith(drivers)} == set()
     # The loaded model and its memory check sit below the scheduler that runs them.
     assert _reaching("engine_bridge.models", ("engine_bridge.scheduling",)) == {}
+    # The operators' tools (memory guard, request log) read the scheduler, never import it.
+    assert _reaching("engine_bridge.ops", ("engine_bridge.scheduling",)) == {}
 
 
 def test_validating_the_config_imports_no_mlx():

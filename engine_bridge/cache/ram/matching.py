@@ -7,10 +7,9 @@ not cached against the cached blocks and checkpoint tails that hang from the sam
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine_bridge.cache.hashing import Chain
+from engine_bridge.cache.hashing import Chain, common_prefix
 from engine_bridge.cache.ram.checkpoints import Checkpoint, CheckpointStore
 from engine_bridge.cache.ram.pool import Block, BlockPool
 
@@ -42,14 +41,6 @@ class Match:
         if self.checkpoint is not None:
             return self.checkpoint_tokens < len(self.checkpoint.tail)
         return bool(self.blocks) and self.used_tokens < len(self.blocks[-1].tokens)
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 _Found = tuple[int, list[Block], int, Checkpoint | None, int]
@@ -119,12 +110,12 @@ def _paged(
     best, best_block, best_ckpt = 0, None, None
     if window:
         for child in pool.children(anchor):
-            k = common_prefix_len(child.tokens, window)
+            k = common_prefix(child.tokens, window)
             if k > best:
                 best, best_block = k, child
         # Ties go to the block: it restores without touching a checkpoint's snapshot state.
         for ckpt in checkpoints.at(anchor):
-            k = common_prefix_len(ckpt.tail, window)
+            k = common_prefix(ckpt.tail, window)
             if k > best:
                 best, best_block, best_ckpt = k, None, ckpt
     if best_block is not None:
