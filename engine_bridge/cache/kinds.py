@@ -13,7 +13,7 @@ class EntryKind(StrEnum):
 
     BLOCK = "blocks"
     CHECKPOINT = "checkpoints"
-    FEATURES = "features"  # a vision encoder's output for one image (vision_features.py)
+    FEATURES = "features"  # a vision encoder's output for one image (vision/features.py)
 
 
 class CheckpointReason(StrEnum):

@@ -24,7 +24,7 @@ from mlx_lm.generate import TextStateMachine
 from ..types import ToolCall
 from . import foreign_calls, harmony
 
-log = logging.getLogger("engine_bridge.output")
+log = logging.getLogger("engine_bridge.prompting.output_format")
 
 PartKind = Literal["text", "reasoning", "tool_call"]
 

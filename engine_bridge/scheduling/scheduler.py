@@ -76,7 +76,7 @@ class SchedulerStats:
     kv_bytes: int = 0  # live K/V of admitted sequences
     kv_memory_bytes: int | None = None
     admission_waits: int = 0  # steps where the memory budget held a request back
-    # Speculative decoding (runner.py `_verify`): verify passes, the draft tokens they
+    # Speculative decoding (decoding.py `_verify`): verify passes, the draft tokens they
     # checked and how many the model kept, passes whose rejection replayed a recurrent
     # state (kv/rollback.py), and batched steps in which speculation paused.
     spec_rounds: int = 0

@@ -21,7 +21,7 @@ from ..types import EngineError
 from .catalog import ClientSessions, Freed, SessionView
 from .prune import GoneEntries
 
-log = logging.getLogger("engine_bridge.sessions.catalog")
+log = logging.getLogger("engine_bridge.sessions.admin")
 
 # How often a delete looks whether the generation it waits for has ended.
 _POLL_S = 0.02

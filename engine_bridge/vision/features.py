@@ -32,7 +32,7 @@ from ..kv.host import PayloadFormatError, tensor_from_host, tensor_to_host
 if TYPE_CHECKING:
     from ..cache.shared.tier import SharedTier
 
-log = logging.getLogger("engine_bridge.vision.model")
+log = logging.getLogger("engine_bridge.vision.features")
 
 # The most RAM one model's features take, whatever the budget leaves them.
 FEATURE_CACHE_BYTES = 256 << 20

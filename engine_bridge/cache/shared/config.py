@@ -17,7 +17,7 @@ BYTES_BUCKETS = tuple(float(1 << s) for s in range(12, 34, 2))  # 4 KiB .. 8 GiB
 
 
 class SharedWritePolicy(StrEnum):
-    """Which entries go to the shared store (see shared_tier.py for when)."""
+    """Which entries go to the shared store (see shared/tier.py for when)."""
 
     ALL = "all"  # everything stored
     SECOND_USE = "second-use"  # what a later request reused once: saves bandwidth

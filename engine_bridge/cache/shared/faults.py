@@ -1,5 +1,5 @@
 """Shared tier faults: what kind each one is, when calls may use the network again, and
-the one warning per outage (shared_store.py counts them)."""
+the one warning per outage (shared/store.py counts them)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import qwen36, specs, tokenizer
 
-logger = logging.getLogger("engine_bridge.models.demo")
+logger = logging.getLogger("engine_bridge.models.demo.build")
 
 # Bump when the build changes in a way the inputs hashed below do not capture.
 RECIPE_VERSION = 1
