@@ -67,6 +67,13 @@ async def request_context(request: web.Request, handler):
         status = response.status
         response.headers.setdefault("x-request-id", rid)
         return response
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as e:
+        # No route matched (a path the catch-all's pattern cannot match, such as one holding
+        # a newline): the documented JSON error, in the dialect's shape, not aiohttp's text.
+        err = ApiError(e.status, f"no route for {request.method} {request.path!r}")
+        status = err.status
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else {}
+        return error_response(err, dialect_for(request.path), {**allow, "x-request-id": rid})
     except web.HTTPException as e:
         status = e.status
         raise

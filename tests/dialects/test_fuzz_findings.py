@@ -221,3 +221,20 @@ def test_a_tenant_header_that_is_not_utf8_is_a_400_in_anthropic_shape(server):
             "message": "x-tenant: header is not valid UTF-8",
         },
     }
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("DELETE", "/v1/cache/sessions/x%0Ay"),
+        ("POST", "/v1/cache/sessions/x%0Ay/pin"),
+        ("POST", "/v1/cache/sessions/x%0Ay/unpin"),
+    ],
+)
+def test_a_path_no_route_matches_gets_the_documented_json_404(server, method, path):
+    # Fuzzing (seed 20261205): a session id holding a newline matched no route, not even
+    # the catch-all, and aiohttp answered its own text/plain 404.
+    r = httpx.request(method, server.url + path, timeout=30)
+    assert r.status_code == 404
+    assert r.headers["content-type"].startswith("application/json")
+    assert "no route for" in r.json()["error"]["message"]
