@@ -19,14 +19,8 @@ vLLM's qwen3_5_mtp feeds (`Qwen3_5Model.forward` returns the normed state). It i
 cheap one here: mlx-lm's backbone returns exactly that, and the logits are lm_head of it,
 so one forward pass gives both.
 
-A head attends over every position it was fed, so its cache is primed along the prompt
-at prefill (each chunk's hidden states with the tokens one ahead); a head that starts
-cold at the first generated token accepts 10-14 points less. Its cache holds committed
-positions only: a verify pass feeds it the accepted ones, and drafts deeper than one
-token are trimmed off again as soon as they are proposed. A sequence restored from the
-prefix cache starts its head at the restore point: the head's K/V is not in the cache,
-and RoPE scores depend only on distances, so a head whose positions start at 0 there sees
-the same attention as one started at the real offset, over a shorter past.
+How a head is fed along a sequence (primed at prefill, committed positions only, started
+over at a restore point) is the drafter's business: scheduling/speculation/mtp.py.
 
 Weights are taken as the checkpoint stores them: unquantized (bf16) where the checkpoint
 keeps the head so, quantized with the checkpoint's own bits where it ships it quantized.

@@ -15,14 +15,15 @@ import time
 
 import pytest
 
-from engine_bridge.engine import Engine, EngineSettings
+from engine_bridge.engine import Engine
 from engine_bridge.models.loading import ModelRef
 from engine_bridge.prompting.render import RenderedPrompt
 from engine_bridge.scheduling.jobs import Failed, Job, Pending
 from engine_bridge.scheduling.scheduler import Scheduler
-from engine_bridge.types import EngineError, GenerationRequest, Message, Sampling
-from tests.conftest import fresh_cache_dir
-from tests.sessions.test_memory_preflight import GB, SimulatedMachine
+from engine_bridge.types import EngineError, GenerationRequest
+
+# The machine, the engine on the two demo models and the request the preflight tests use.
+from tests.sessions.test_memory_preflight import GB, SimulatedMachine, _engine, _generate
 
 LLAMA, HYBRID = "demo-llama", "demo-hybrid"
 DEADLINE_S = 20.0
@@ -37,27 +38,6 @@ async def within(aw, what: str):
         task.cancel()
         pytest.fail(f"{what} hung for {DEADLINE_S:.0f} s")
     return task.result()
-
-
-def _engine(demo_root, tmp_path) -> Engine:
-    return Engine(
-        EngineSettings(
-            cache_dir=fresh_cache_dir(demo_root, tmp_path / "cache"),
-            model_specs=[LLAMA, HYBRID],
-            ssd_enabled=False,
-            ram_budget_share=0.2,
-        )
-    )
-
-
-async def _generate(engine: Engine, model: str) -> str:
-    req = GenerationRequest(
-        model=model,
-        messages=[Message("user", "hello there")],
-        max_tokens=4,
-        sampling=Sampling(temperature=0.0),
-    )
-    return "".join([getattr(e, "text", "") or "" async for e in await engine.start(req)])
 
 
 async def _lm_studio_unload(ref: ModelRef) -> None:

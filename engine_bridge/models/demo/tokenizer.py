@@ -95,6 +95,21 @@ def _trained_json() -> str:
     return tok.to_str()
 
 
+def added_tokens_decoder(tok: Tokenizer) -> dict[str, dict[str, object]]:
+    """tokenizer_config.json's `added_tokens_decoder`, as transformers writes it."""
+    return {
+        str(token_id): {
+            "content": t.content,
+            "lstrip": t.lstrip,
+            "normalized": t.normalized,
+            "rstrip": t.rstrip,
+            "single_word": t.single_word,
+            "special": t.special,
+        }
+        for token_id, t in sorted(tok.get_added_tokens_decoder().items())
+    }
+
+
 def write_tokenizer_files(
     tok: Tokenizer,
     out: Path,
@@ -108,17 +123,7 @@ def write_tokenizer_files(
     with `template` (the Hermes one when None) as the chat template and `extra` keys added
     to tokenizer_config.json (e.g. mlx-lm's tool_parser_type)."""
     out.joinpath("tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
-    added = {
-        str(token_id): {
-            "content": t.content,
-            "lstrip": t.lstrip,
-            "normalized": t.normalized,
-            "rstrip": t.rstrip,
-            "single_word": t.single_word,
-            "special": t.special,
-        }
-        for token_id, t in sorted(tok.get_added_tokens_decoder().items())
-    }
+    added = added_tokens_decoder(tok)
     config = {
         # Explicit class: otherwise transformers picks one from config.json's model_type
         # (e.g. a Llama or Gemma tokenizer) and may add a BOS the template never expects.
