@@ -1,17 +1,142 @@
-"""What an Engine is built with: the models, the cache tiers, the memory guard, the scheduler."""
+"""What an Engine is built with: the models, the cache tiers, the memory guard, the scheduler.
+
+Every type an `EngineSettings` field holds is defined or re-exported here, so that
+`proxy/` builds and validates the settings from this module alone, and importing it loads
+no mlx (the config is checked before any model is).
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .cache.shared.config import SharedConfig
-from .cache.write_policy import WritePolicy
-from .prompt_cache import CachePolicy
-from .prompting.render import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
-from .scheduling.speculation.control import SpeculativeSettings
-from .vision.prompt import VisionLimits
-from .warm_ahead import WarmAheadSettings
+from .cache.shared.config import (
+    BYTES_BUCKETS,
+    LATENCY_BUCKETS_S,
+    SharedConfig,
+    SharedWritePolicy,
+)
+from .cache.write_policy import WritePolicy, resolve_write_policy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from .scheduling.speculation.drafters import Drafter
+
+__all__ = [
+    "BYTES_BUCKETS",
+    "CLAUDE_CODE_BILLING_HEADER",
+    "LATENCY_BUCKETS_S",
+    "CachePolicy",
+    "EngineSettings",
+    "Mode",
+    "NormalizationRule",
+    "SharedConfig",
+    "SharedWritePolicy",
+    "SpeculativeSettings",
+    "VisionLimits",
+    "WarmAheadSettings",
+    "WritePolicy",
+    "resolve_write_policy",
+]
+
+
+@dataclass(slots=True)
+class CachePolicy:
+    """How one model's prompt cache keys and keeps its states (prompt_cache.py)."""
+
+    block_size: int = 64
+    # Snapshot models also checkpoint every this many tokens of a long prefill.
+    checkpoint_interval: int = 1024
+    # 0 keeps K/V exact; 8 or 4 quantizes stored blocks (smaller, slightly lossy).
+    quantize_bits: int = 0
+    # Log, once per request, where a prompt left the nearest cached sequence.
+    log_divergence: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class NormalizationRule:
+    """A regex applied to message text before tokenization, to drop per-session noise
+    (prompting/render.py applies them)."""
+
+    name: str
+    pattern: re.Pattern[str]
+    replacement: str = ""
+    roles: tuple[str, ...] = ("system",)
+
+
+# Claude Code puts `x-anthropic-billing-header: cc_version=…; cc_entrypoint=…; …` first in
+# the system prompt, with a suffix that differs per session. Left alone, every new session
+# diverges from the cached 30k-token agent prompt at token ~15. The header is a system block
+# of its own, and joined blocks put the real prompt on the same line, so the rule takes
+# `key=value;` fields (the last may end the line instead), never the rest of the line.
+CLAUDE_CODE_BILLING_HEADER = NormalizationRule(
+    name="claude_code_billing_header",
+    pattern=re.compile(
+        r"^x-anthropic-billing-header:(?:[ \t]*[\w.-]+=[^;\n]*(?:;|$))*[ \t]*\n?", re.MULTILINE
+    ),
+    replacement="",
+)
+
+
+class Mode(StrEnum):
+    """`[engine] speculative`: which drafter a sequence gets (speculation/control.py)."""
+
+    OFF = "off"
+    PROMPT_LOOKUP = "prompt-lookup"
+    MTP = "mtp"
+    AUTO = "auto"
+
+
+@dataclass(slots=True)
+class SpeculativeSettings:
+    """`[engine] speculative` and the draft length bounds."""
+
+    mode: Mode = Mode.AUTO
+    min_draft: int = 1
+    max_draft: int = 8
+    min_ngram: int = 3
+    # Tokens the MTP head drafts per verify pass: Qwen's head is trained for one; deeper
+    # drafts chain the head on its own output and are accepted less often.
+    mtp_depth: int = 1
+    # Tests replace the drafter (an oracle, a corrupted oracle, one always wrong): it is
+    # made per sequence from the prompt's tokens.
+    drafter: Callable[[Sequence[int]], Drafter] | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class VisionLimits:
+    """What one request may carry; each is answered with a 4xx naming the image."""
+
+    max_image_bytes: int = 20 << 20
+    # Decoded size, checked from the header before any pixel is decoded (decompression bombs).
+    max_image_pixels: int = 50_000_000
+    max_images: int = 100
+
+
+@dataclass(slots=True)
+class WarmAheadSettings:
+    """`[cache.warm_ahead]`: the next question's prefix prefilled while idle (warm_ahead.py)."""
+
+    enabled: bool = True
+    # Sessions whose next question waits to be warmed; the oldest offer goes beyond this.
+    max_sessions: int = 4
+    # Tokens prefilled ahead per minute, at most (a token bucket a minute deep).
+    tokens_per_minute: int = 120_000
+    # The RAM tier's share one warm-up may fill (its new K/V bytes, estimated).
+    max_ram_share: float = 0.5
+    # Seconds with no request before a warm-up starts: an agent or script sends its next
+    # request within milliseconds, and would wait for the warm-up's prefill chunk in
+    # progress (measured: 1.6x the total TTFT of the bench's replayed agent trace); a
+    # person reading the answer takes longer than this.
+    after_idle_s: float = 1.0
+    # Fewer new tokens than this are not worth a job: the question prefills them itself.
+    min_tokens: int = 16
+    # A preempted warm-up is offered again this many times.
+    retries: int = 3
 
 
 @dataclass(slots=True)

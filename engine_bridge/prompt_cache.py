@@ -25,6 +25,7 @@ from .cache.session_registry import SessionKey
 from .cache.ssd.index import Scope
 from .cache.tier_reads import Prefetched
 from .cache.tiers import Hit, TieredCache
+from .engine_settings import CachePolicy
 from .models.loading import LoadedModel
 from .scheduling.jobs import Job
 from .types import CacheSource
@@ -57,17 +58,6 @@ class LookupReport:
     message: int | None = None  # the message the divergence falls in
     before: str = ""  # the text just before and after the divergence
     after: str = ""
-
-
-@dataclass(slots=True)
-class CachePolicy:
-    block_size: int = 64
-    # Snapshot models also checkpoint every this many tokens of a long prefill.
-    checkpoint_interval: int = 1024
-    # 0 keeps K/V exact; 8 or 4 quantizes stored blocks (smaller, slightly lossy).
-    quantize_bits: int = 0
-    # Log, once per request, where a prompt left the nearest cached sequence.
-    log_divergence: bool = True
 
 
 class ModelCache:

@@ -7,11 +7,27 @@ with a stream of `TokenEvent`s and one final `GenerationResult`. No dialect leak
 from __future__ import annotations
 
 import hashlib
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 CacheSource = Literal["ram", "ssd", "shared", "none"]
 Role = Literal["system", "user", "assistant", "tool"]
+PartKind = Literal["text", "reasoning", "tool_call"]
+# Why a request got less than its whole prompt from the cache (ops/request_log.py).
+MissReason = Literal[
+    "hit",
+    "new_session",
+    "evicted_ram",
+    "evicted_ssd",
+    "expired",
+    "history_edited",
+    "system_or_tools_changed",
+    "template_changed",
+    "history_rewritten",
+    "bypass",
+    "partial",
+]
 FinishReason = Literal["stop", "length", "stop_string", "cancelled"]
 
 
@@ -220,6 +236,30 @@ class TokenEvent:
     text: str
     token: int  # the last of them
     tokens: int = 1  # the output tokens `text` was decoded from, since the previous event
+
+
+@dataclass(slots=True)
+class Part:
+    """A piece of a model's output as the parser reads it (prompting/output_format.py)."""
+
+    kind: PartKind
+    text: str = ""
+    call: ToolCall | None = None  # set for kind "tool_call"
+
+
+def new_call_id(prefix: str = "call_") -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def merge(parts: list[Part]) -> list[Part]:
+    """Coalesce adjacent parts of the same kind (for non-streaming responses)."""
+    out: list[Part] = []
+    for p in parts:
+        if out and p.kind != "tool_call" and out[-1].kind == p.kind:
+            out[-1].text += p.text
+        else:
+            out.append(Part(p.kind, p.text, p.call))
+    return out
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .engine_settings import WarmAheadSettings
 from .types import EngineError, GenerationRequest, ProbeResult
 
 if TYPE_CHECKING:
@@ -28,26 +29,6 @@ log = logging.getLogger("engine_bridge.warm_ahead")
 
 # How often a waiting offer looks for an idle machine.
 IDLE_POLL_S = 0.05
-
-
-@dataclass(slots=True)
-class WarmAheadSettings:
-    enabled: bool = True
-    # Sessions whose next question waits to be warmed; the oldest offer goes beyond this.
-    max_sessions: int = 4
-    # Tokens prefilled ahead per minute, at most (a token bucket a minute deep).
-    tokens_per_minute: int = 120_000
-    # The RAM tier's share one warm-up may fill (its new K/V bytes, estimated).
-    max_ram_share: float = 0.5
-    # Seconds with no request before a warm-up starts: an agent or script sends its next
-    # request within milliseconds, and would wait for the warm-up's prefill chunk in
-    # progress (measured: 1.6x the total TTFT of the bench's replayed agent trace); a
-    # person reading the answer takes longer than this.
-    after_idle_s: float = 1.0
-    # Fewer new tokens than this are not worth a job: the question prefills them itself.
-    min_tokens: int = 16
-    # A preempted warm-up is offered again this many times.
-    retries: int = 3
 
 
 @dataclass(slots=True)

@@ -117,7 +117,7 @@ def cache_command(args: argparse.Namespace) -> int:
     """`cache stats|ls|clear` on the cache dir, offline: reads the SSD index directly."""
     import json
 
-    from engine_bridge.cache.ssd.offline import offline_clear, offline_ls, offline_stats
+    from engine_bridge.offline import offline_clear, offline_ls, offline_stats
 
     overrides = {"cache.ssd.dir": str(args.cache_dir) if args.cache_dir else None}
     config = _load(args, overrides)
@@ -188,7 +188,7 @@ def list_models(args: argparse.Namespace) -> int:
     """What LM Studio's folders hold, and which of it this proxy serves in-process."""
     import json
 
-    from engine_bridge.models.discovery import scan
+    from engine_bridge.offline import scan
 
     config = _load(args)
     if config is None:
@@ -294,7 +294,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"mlx-prompt-cache: {e.message}", file=sys.stderr)
         return 2
     engine.before_load = before_load_hook(config)
-    from engine_bridge.ops.blas import cpu_blas
+    from engine_bridge.offline import cpu_blas
 
     if (advice := cpu_blas().advice()) is not None:  # Linux on mlx[cpu] only
         log.warning("%s", advice)

@@ -17,12 +17,18 @@ import aiohttp
 import orjson
 import psutil
 
-from engine_bridge.models import discovery
-from engine_bridge.models.demo.specs import DEMO_MODEL_IDS, is_demo_model
-from engine_bridge.models.loading import ModelRef, chat_template_text, resolve
-from engine_bridge.models.preflight import gb, weights_bytes
-from engine_bridge.ops.blas import cpu_blas
-from engine_bridge.prompting.template_flags import default_kwargs
+from engine_bridge.offline import (
+    DEMO_MODEL_IDS,
+    ModelRef,
+    chat_template_text,
+    cpu_blas,
+    default_kwargs,
+    gb,
+    is_demo_model,
+    resolve,
+    scan,
+    weights_bytes,
+)
 from engine_bridge.types import EngineError
 
 from .config.model import Config
@@ -49,7 +55,7 @@ def _served_specs(config: Config) -> list[str]:
     specs = list(config.models.serve)
     if config.models.serve_all_mlx:
         dirs = [Path(d) for d in config.models.lmstudio_dirs]
-        specs += [str(m.path) for m in discovery.scan(dirs) if m.format == "mlx"]
+        specs += [str(m.path) for m in scan(dirs) if m.format == "mlx"]
     return specs or ([] if config.models.serve_all_mlx else list(DEMO_MODEL_IDS))
 
 

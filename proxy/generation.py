@@ -10,8 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from engine_bridge.engine import Engine
-from engine_bridge.prompting.output_format import OutputParser
-from engine_bridge.stream import GenerationStream
+from engine_bridge.stream import GenerationStream, OutputParser
 from engine_bridge.types import (
     GenerationRequest,
     GenerationResult,

@@ -7,13 +7,17 @@ from pathlib import Path
 
 import psutil
 
-from engine_bridge.cache.write_policy import resolve_write_policy
-from engine_bridge.engine import EngineSettings
-from engine_bridge.engine_settings import WarmAheadSettings
-from engine_bridge.prompt_cache import CachePolicy
-from engine_bridge.prompting.render import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
-from engine_bridge.scheduling.speculation.control import Mode, SpeculativeSettings
-from engine_bridge.vision.prompt import VisionLimits
+from engine_bridge.engine_settings import (
+    CLAUDE_CODE_BILLING_HEADER,
+    CachePolicy,
+    EngineSettings,
+    Mode,
+    NormalizationRule,
+    SpeculativeSettings,
+    VisionLimits,
+    WarmAheadSettings,
+    resolve_write_policy,
+)
 
 from .config.model import Config
 from .config.model_settings import ModelSettingsTable, lmstudio_key

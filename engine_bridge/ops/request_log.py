@@ -19,11 +19,18 @@ from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from ..cache.hashing import common_prefix
 from ..prompt_cache import LookupReport
-from ..types import GenerationRequest, GenerationResult, ImageInput, Message, conversation_id
+from ..types import (
+    GenerationRequest,
+    GenerationResult,
+    ImageInput,
+    Message,
+    MissReason,
+    conversation_id,
+)
 
 
 class Finished(Protocol):
@@ -37,20 +44,6 @@ class Finished(Protocol):
 
 
 log = logging.getLogger("engine_bridge.ops.request_log")
-
-MissReason = Literal[
-    "hit",
-    "new_session",
-    "evicted_ram",
-    "evicted_ssd",
-    "expired",
-    "history_edited",
-    "system_or_tools_changed",
-    "template_changed",
-    "history_rewritten",
-    "bypass",
-    "partial",
-]
 
 MAX_RECORDS = 500
 # Sessions whose previous prompt is kept to compare the next one with (LRU beyond this).

@@ -14,30 +14,16 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from mlx_lm.generate import TextStateMachine
 
-from ..types import ToolCall
+from ..types import Part, ToolCall, new_call_id
 from . import foreign_calls, harmony
 
 log = logging.getLogger("engine_bridge.prompting.output_format")
-
-PartKind = Literal["text", "reasoning", "tool_call"]
-
-
-@dataclass(slots=True)
-class Part:
-    kind: PartKind
-    text: str = ""
-    call: ToolCall | None = None  # set for kind "tool_call"
-
-
-def new_call_id(prefix: str = "call_") -> str:
-    return prefix + uuid.uuid4().hex[:24]
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,14 +423,3 @@ def _typed(value: str, kind: Any) -> Any:
         except ValueError:
             continue
     return value
-
-
-def merge(parts: list[Part]) -> list[Part]:
-    """Coalesce adjacent parts of the same kind (for non-streaming responses)."""
-    out: list[Part] = []
-    for p in parts:
-        if out and p.kind != "tool_call" and out[-1].kind == p.kind:
-            out[-1].text += p.text
-        else:
-            out.append(Part(p.kind, p.text, p.call))
-    return out

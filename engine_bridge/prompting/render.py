@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from ..engine_settings import NormalizationRule
 from ..types import EngineError, Message
 from .prefix_memo import RAISED, PrefixDigests, PrefixMemo, prefix_keys, text_digest
 
@@ -21,30 +22,6 @@ if TYPE_CHECKING:
     from .images import VisionPrompt
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class NormalizationRule:
-    """A regex applied to message text before tokenization, to drop per-session noise."""
-
-    name: str
-    pattern: re.Pattern[str]
-    replacement: str = ""
-    roles: tuple[str, ...] = ("system",)
-
-
-# Claude Code puts `x-anthropic-billing-header: cc_version=…; cc_entrypoint=…; …` first in
-# the system prompt, with a suffix that differs per session. Left alone, every new session
-# diverges from the cached 30k-token agent prompt at token ~15. The header is a system block
-# of its own, and joined blocks put the real prompt on the same line, so the rule takes
-# `key=value;` fields (the last may end the line instead), never the rest of the line.
-CLAUDE_CODE_BILLING_HEADER = NormalizationRule(
-    name="claude_code_billing_header",
-    pattern=re.compile(
-        r"^x-anthropic-billing-header:(?:[ \t]*[\w.-]+=[^;\n]*(?:;|$))*[ \t]*\n?", re.MULTILINE
-    ),
-    replacement="",
-)
 
 
 @dataclass(slots=True)

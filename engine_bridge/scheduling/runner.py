@@ -44,7 +44,7 @@ from .decoding import Decoding
 from .fair_queue import FairQueue
 from .jobs import CacheSession, Event, Failed, Job, Pending
 from .sequence import Seq
-from .speculation.control import Mode, Speculation
+from .speculation.control import Mode, Speculation, new_drafter
 from .speculation.mtp import MTPDrafter
 
 if TYPE_CHECKING:
@@ -319,7 +319,7 @@ class Runner(Decoding):
         settings = self.scheduler.settings.speculation
         if not job.request.speculative or job.request.prefill_only or self.loaded.vision:
             return None
-        drafter = settings.new_drafter(job.prompt.tokens, self.loaded)
+        drafter = new_drafter(settings, job.prompt.tokens, self.loaded)
         return Speculation(drafter, settings) if drafter is not None else None
 
     def _prefill_stops(self, seq: Seq) -> list[int]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ..engine_settings import VisionLimits
 from ..prompting.images import PreparedImage, VisionPrompt
 from ..prompting.render import RenderedPrompt
 from ..types import EngineError, ImageInput, Message
@@ -32,16 +33,6 @@ EXTRA_HINT = "pip install 'mlx-prompt-cache[vision]'"
 # still fit the signed 32-bit arrays request records keep tokens in. Each carries 30 bits of
 # its image's digest; an image has at least four tokens.
 KEY_BIT = 1 << 30
-
-
-@dataclass(frozen=True, slots=True)
-class VisionLimits:
-    """What one request may carry; each is answered with a 4xx naming the image."""
-
-    max_image_bytes: int = 20 << 20
-    # Decoded size, checked from the header before any pixel is decoded (decompression bombs).
-    max_image_pixels: int = 50_000_000
-    max_images: int = 100
 
 
 class PreparedCache:

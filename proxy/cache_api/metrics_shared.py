@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 
-from engine_bridge.cache.shared.config import BYTES_BUCKETS, LATENCY_BUCKETS_S
+from engine_bridge.engine_settings import BYTES_BUCKETS, LATENCY_BUCKETS_S
 
 PREFIX = "mlx_prompt_cache"
 

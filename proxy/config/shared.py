@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine_bridge.cache.shared.config import SharedConfig, SharedWritePolicy
+from engine_bridge.engine_settings import SharedConfig, SharedWritePolicy
 from proxy.config.units import parse_duration, parse_size
 
 EXTRA_HINT = "the shared tier needs the redis package: pip install 'mlx-prompt-cache[shared]'"

@@ -8,8 +8,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from engine_bridge.cache.write_policy import resolve_write_policy
-from engine_bridge.scheduling.speculation.control import Mode
+from engine_bridge.engine_settings import Mode, resolve_write_policy
 from proxy.config.model_settings import validate_model_settings
 from proxy.config.schema import key_error
 from proxy.config.shared import validate_shared

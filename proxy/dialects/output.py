@@ -4,6 +4,6 @@ The parsing itself follows the loaded model's own format and lives with the mode
 (`engine_bridge/prompting/output_format.py`); a dialect only renders the parts.
 """
 
-from engine_bridge.prompting.output_format import Part, merge, new_call_id
+from engine_bridge.types import Part, merge, new_call_id
 
 __all__ = ["Part", "merge", "new_call_id"]

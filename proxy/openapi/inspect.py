@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, get_args
 
-from engine_bridge.ops.request_log import MissReason
+from engine_bridge.types import MissReason
 
 from ..cache_api.inspect import REQUESTS_DEFAULT, REQUESTS_MAX
 

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from engine_bridge.models.preflight import gb, weights_bytes
+from engine_bridge.offline import gb, weights_bytes
 
 from .lmstudio_rest import REST_TIMEOUT_S, Listing, LmsModel, LmStudioError, LmStudioRest
 
 if TYPE_CHECKING:
-    from engine_bridge.models.loading import ModelRef
+    from engine_bridge.offline import ModelRef
 
 log = logging.getLogger("proxy.upstream.one_copy")
 

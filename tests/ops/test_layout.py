@@ -159,6 +159,41 @@ def test_each_wing_imports_only_what_it_may():
     assert "redis" not in imports()["engine_bridge.cache.shared"], shared
 
 
+# What proxy/ may import of engine_bridge/ (docs/architecture.md): the facade, the neutral
+# types, a started generation, the settings, the log context, and the offline tools.
+PUBLIC = frozenset(
+    f"engine_bridge.{m}"
+    for m in ("engine", "types", "stream", "engine_settings", "logctx", "offline")
+)
+
+
+def test_the_proxy_reaches_the_engine_only_through_its_public_modules():
+    reached = {
+        m: sorted(t for t in targets if t.startswith("engine_bridge") and t not in PUBLIC)
+        for m, targets in imports().items()
+        if m.startswith("proxy")
+    }
+    assert {m: t for m, t in reached.items() if t} == {}
+    # Each public module exists (a rename must update this list and the document).
+    assert PUBLIC <= modules().keys()
+
+
+def test_the_settings_and_offline_tools_load_no_mlx():
+    """The proxy builds and checks `EngineSettings` before any model loads, and the
+    offline `cache` commands read the SSD index; neither may pull in MLX."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, engine_bridge.engine_settings as s, engine_bridge.offline as o; "
+        "o.offline_stats; s.CachePolicy, s.SpeculativeSettings, s.VisionLimits; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_the_import_reader_sees_every_kind_of_import():
     """The rules above pass trivially on a graph with edges missing: the reader must see
     relative imports (most internal ones), `from package import module`, and imports

@@ -15,7 +15,8 @@ import json
 import pytest
 
 from engine_bridge.models.demo import families, real_templates
-from engine_bridge.prompting.output_format import OutputFormat, merge
+from engine_bridge.prompting.output_format import OutputFormat
+from engine_bridge.types import merge
 from tests.conftest import QWEN36, fresh_cache_dir, start_server
 from tests.prompting import test_tool_formats as tf
 from tests.support.clients import forced_turn

@@ -21,7 +21,7 @@ from mlx_lm.models.qwen3_5 import TextModelArgs
 
 from engine_bridge.engine import Engine, EngineSettings
 from engine_bridge.models import mtp_head as mtp
-from engine_bridge.scheduling.speculation.control import Mode, SpeculativeSettings
+from engine_bridge.scheduling.speculation.control import Mode, SpeculativeSettings, new_drafter
 from engine_bridge.scheduling.speculation.drafters import PromptLookup
 from engine_bridge.scheduling.speculation.mtp import MTPDrafter
 from engine_bridge.types import Message, Sampling
@@ -376,16 +376,16 @@ def test_mtp_without_a_head_decodes_plainly(demo_root, tmp_path, caplog):
     warned = [r.getMessage() for r in caplog.records if "has no MTP head" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("demo-llama "), warned
     mtp_mode = SpeculativeSettings(mode=Mode.MTP)
-    assert mtp_mode.new_drafter([1], llama) is None
-    assert isinstance(mtp_mode.new_drafter([1], hybrid), MTPDrafter)
+    assert new_drafter(mtp_mode, [1], llama) is None
+    assert isinstance(new_drafter(mtp_mode, [1], hybrid), MTPDrafter)
     # Prompt lookup by name stays prompt lookup; "auto" takes the head where it drafts.
-    assert isinstance(SpeculativeSettings(mode=Mode.PROMPT_LOOKUP).new_drafter([1], hybrid),
+    assert isinstance(new_drafter(SpeculativeSettings(mode=Mode.PROMPT_LOOKUP), [1], hybrid),
                       PromptLookup)  # fmt: skip
     # "auto": the head on a GPU, prompt lookup on the CPU and for a model without one.
     auto = SpeculativeSettings(mode=Mode.AUTO)
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
-    assert isinstance(auto.new_drafter([1], hybrid), MTPDrafter if on_gpu else PromptLookup)
-    assert isinstance(auto.new_drafter([1], llama), PromptLookup)
+    assert isinstance(new_drafter(auto, [1], hybrid), MTPDrafter if on_gpu else PromptLookup)
+    assert isinstance(new_drafter(auto, [1], llama), PromptLookup)
 
 
 def test_sampled_decoding_with_the_head_runs_to_its_length(demo_root, tmp_path):

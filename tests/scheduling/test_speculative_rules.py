@@ -16,7 +16,12 @@ from engine_bridge.kv.caches import _leaves
 from engine_bridge.models import loading as models
 from engine_bridge.scheduling.sampling import RowSampler
 from engine_bridge.scheduling.speculation.acceptance import accept
-from engine_bridge.scheduling.speculation.control import MAX_PAUSE, Speculation, SpeculativeSettings
+from engine_bridge.scheduling.speculation.control import (
+    MAX_PAUSE,
+    Speculation,
+    SpeculativeSettings,
+    new_drafter,
+)
 from engine_bridge.scheduling.speculation.drafters import PromptLookup
 from engine_bridge.types import Sampling
 from tests.conftest import DEMO_IDS
@@ -243,6 +248,6 @@ def test_a_cache_without_a_way_back_decodes_plainly(loaded):
 
 
 def test_auto_drafts_by_prompt_lookup_on_every_device():
-    assert isinstance(SpeculativeSettings().new_drafter([1, 2, 3]), PromptLookup)
-    assert isinstance(SpeculativeSettings(mode="prompt-lookup").new_drafter([1]), PromptLookup)
-    assert SpeculativeSettings(mode="off").new_drafter([1]) is None
+    assert isinstance(new_drafter(SpeculativeSettings(), [1, 2, 3]), PromptLookup)
+    assert isinstance(new_drafter(SpeculativeSettings(mode="prompt-lookup"), [1]), PromptLookup)
+    assert new_drafter(SpeculativeSettings(mode="off"), [1]) is None

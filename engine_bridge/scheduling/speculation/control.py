@@ -10,64 +10,36 @@ lookup.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from ...engine_settings import Mode, SpeculativeSettings
 from .drafters import Drafter, PromptLookup
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from ...models.loading import LoadedModel
 
 MAX_PAUSE = 64
 
 
-class Mode(StrEnum):
-    OFF = "off"
-    PROMPT_LOOKUP = "prompt-lookup"
-    MTP = "mtp"
-    AUTO = "auto"
+def new_drafter(
+    settings: SpeculativeSettings, prompt: Sequence[int], model: LoadedModel | None = None
+) -> Drafter | None:
+    """A drafter for one sequence of `model`: its MTP head where it has one and the mode
+    asks for it ("mtp", or "auto" where drafting pays), else prompt lookup where asked;
+    None: decode plainly ("off", or "mtp" on a model without a head)."""
+    if settings.drafter is not None:
+        return settings.drafter(prompt)
+    from . import mtp  # mlx: only once a sequence drafts
 
-
-@dataclass(slots=True)
-class SpeculativeSettings:
-    """`[engine] speculative` and the draft length bounds."""
-
-    mode: Mode = Mode.AUTO
-    min_draft: int = 1
-    max_draft: int = 8
-    min_ngram: int = 3
-    # Tokens the MTP head drafts per verify pass: Qwen's head is trained for one; deeper
-    # drafts chain the head on its own output and are accepted less often.
-    mtp_depth: int = 1
-    # Tests replace the drafter (an oracle, a corrupted oracle, one always wrong): it is
-    # made per sequence from the prompt's tokens.
-    drafter: Callable[[Sequence[int]], Drafter] | None = field(default=None, repr=False)
-
-    def new_drafter(
-        self, prompt: Sequence[int], model: LoadedModel | None = None
-    ) -> Drafter | None:
-        """A drafter for one sequence of `model`: its MTP head where it has one and the
-        mode asks for it ("mtp", or "auto" where drafting pays), else prompt lookup where
-        asked; None: decode plainly ("off", or "mtp" on a model without a head)."""
-        if self.drafter is not None:
-            return self.drafter(prompt)
-        from . import mtp  # mlx: not when the config is only validated (proxy/config/)
-
-        auto = self.mode == Mode.AUTO
-        if (
-            (self.mode == Mode.MTP or (auto and auto_mtp()))
-            and model is not None
-            and (model.mtp is not None)
-        ):
-            drafter = mtp.drafter(model.mtp, model.model, self.mtp_depth)
-            if drafter is not None:
-                return drafter
-        if self.mode == Mode.PROMPT_LOOKUP or auto:
-            return PromptLookup(prompt, self.min_ngram, max(self.min_ngram, 5))
-        return None
+    mode = settings.mode
+    auto = mode == Mode.AUTO
+    if (mode == Mode.MTP or (auto and auto_mtp())) and model is not None and model.mtp is not None:
+        drafter = mtp.drafter(model.mtp, model.model, settings.mtp_depth)
+        if drafter is not None:
+            return drafter
+    if mode == Mode.PROMPT_LOOKUP or auto:
+        return PromptLookup(prompt, settings.min_ngram, max(settings.min_ngram, 5))
+    return None
 
 
 def auto_mtp() -> bool:
