@@ -26,11 +26,10 @@ from .dialects import (
     lmstudio as lmstudio_api,
 )
 from .dialects import (
-    openai as openai_api,
-)
-from .dialects import (
     responses as responses_api,
 )
+from .dialects.openai import chat as chat_api
+from .dialects.openai import completions as completions_api
 from .dialects.sse import STREAM
 from .errors import ApiError, api_error, dialect_for, error_response
 from .fields import parse_json_object, read_body
@@ -38,14 +37,9 @@ from .generation import shown_settings
 from .openapi import document as openapi
 from .security import PASSTHROUGH_ROUTE, BrowserPolicy, browser_safety, setup_browser_safety
 from .state import ENGINE, REQUEST_ID, SETTINGS, ProxySettings
-from .upstream.passthrough import (
-    LOCAL_OWNER,
-    UPSTREAM_CONFIG,
-    forward,
-    merge_model_lists,
-    setup_passthrough,
-    upstream_models,
-)
+from .upstream.client import UPSTREAM_CONFIG
+from .upstream.model_list import LOCAL_OWNER, merge_model_lists, upstream_models
+from .upstream.passthrough import forward, setup_passthrough
 
 log = logging.getLogger("proxy.app")
 
@@ -233,8 +227,8 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/cache/stats", cache_stats)
-    app.router.add_post("/v1/chat/completions", json_route(openai_api.chat_completions))
-    app.router.add_post("/v1/completions", json_route(openai_api.completions))
+    app.router.add_post("/v1/chat/completions", json_route(chat_api.chat_completions))
+    app.router.add_post("/v1/completions", json_route(completions_api.completions))
     app.router.add_post("/v1/messages", json_route(anthropic_api.messages))
     app.router.add_post("/v1/messages/count_tokens", json_route(anthropic_api.count_tokens))
     responses_api.add_routes(app, json_route)

@@ -2,7 +2,7 @@
 
 Only the Responses store grows with what clients send; the proxy's other memories are
 bounded by construction, each says why where it is kept (the upstream's model list: one
-answer, `upstream.passthrough._ModelsCache`; tenant labels: `metrics.TenantLabels`' cap).
+answer, `upstream.model_list.ModelsCache`; tenant labels: `metrics.TenantLabels`' cap).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Anthropic dialect: /v1/messages (with the full streaming event sequence) and count_tokens."""
+"""Anthropic dialect: /v1/messages and count_tokens, from the body to a started generation.
+
+The answer, whole or as its event stream, is written by anthropic_output.py."""
 
 from __future__ import annotations
 
-import json
-import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -21,10 +21,11 @@ from engine_bridge.types import (
 
 from .. import fields as f
 from ..errors import ApiError
-from ..generation import Generation, Given, apply_model_settings, request_options, session_id, start
+from ..generation import Given, apply_model_settings, request_options, session_id, start
 from ..state import ENGINE
 from . import images
-from .output import Part, merge
+from .anthropic_output import MessageWriter, message_json, new_id
+from .output import merge
 from .sse import SSEWriter
 
 # Tool types Anthropic runs server-side (web search, …); a local model cannot call them.
@@ -295,178 +296,22 @@ def messages_request(body: dict, request: web.Request) -> GenerationRequest:
     )
 
 
-def usage(gen: Generation, output_tokens: int | None = None) -> dict[str, int]:
-    info = gen.info
-    # Every prompt token the cache did not supply is written to it (unless bypassed).
-    created = info.prompt_tokens - info.cached_tokens if gen.use_cache else 0
-    return {
-        "input_tokens": info.prompt_tokens - info.cached_tokens - created,
-        "output_tokens": output_tokens
-        if output_tokens is not None
-        else (gen.result.completion_tokens if gen.result else 0),
-        "cache_read_input_tokens": info.cached_tokens,
-        "cache_creation_input_tokens": created,
-    }
-
-
-def stop_reason(gen: Generation, parts: list[Part]) -> tuple[str, str | None]:
-    r = gen.result
-    if any(p.kind == "tool_call" for p in parts):
-        return "tool_use", None
-    if r and r.finish_reason == "length":
-        return "max_tokens", None
-    if r and r.finish_reason == "stop_string":
-        return "stop_sequence", r.stop_string
-    return "end_turn", None
-
-
-def block_json(p: Part) -> dict[str, Any]:
-    if p.kind == "text":
-        return {"type": "text", "text": p.text}
-    if p.kind == "reasoning":
-        return {"type": "thinking", "thinking": p.text, "signature": ""}
-    assert p.call is not None, f"not a tool call: {p!r}"
-    return {
-        "type": "tool_use",
-        "id": "toolu_" + (p.call.id or "").removeprefix("call_"),
-        "name": p.call.name,
-        "input": p.call.arguments,
-    }
-
-
 async def messages(request: web.Request, body: dict) -> web.StreamResponse:
     req = messages_request(body, request)
     stream = f.get_bool(body, "stream")
     gen = await start(request.app[ENGINE], req, request, given(body))
-    mid = "msg_" + uuid.uuid4().hex[:24]
+    mid = new_id()
     if not stream:
         try:
             parts = merge([p async for p in gen.parts()])
         finally:
             await gen.aclose()
-        reason, seq = stop_reason(gen, parts)
-        return web.json_response(
-            {
-                "id": mid,
-                "type": "message",
-                "role": "assistant",
-                "model": req.model,
-                "content": [block_json(p) for p in parts if p.kind == "tool_call" or p.text],
-                "stop_reason": reason,
-                "stop_sequence": seq,
-                "usage": usage(gen),
-            },
-            headers=gen.headers,
-        )
+        return web.json_response(message_json(mid, req.model, gen, parts), headers=gen.headers)
 
     sse = SSEWriter(request, gen.headers)
     await sse.prepare()
-    seen: list[Part] = []
-    index = -1
-    open_kind: str | None = None
-
-    async def ping() -> None:
-        await sse.event("ping", {"type": "ping"})
-
-    async def close_block() -> None:
-        nonlocal open_kind
-        if open_kind == "reasoning":
-            await sse.event(
-                "content_block_delta",
-                {
-                    "type": "content_block_delta",
-                    "index": index,
-                    "delta": {"type": "signature_delta", "signature": ""},
-                },
-            )
-        if open_kind is not None:
-            await sse.event("content_block_stop", {"type": "content_block_stop", "index": index})
-        open_kind = None
-
     try:
-        await sse.event(
-            "message_start",
-            {
-                "type": "message_start",
-                "message": {
-                    "id": mid,
-                    "type": "message",
-                    "role": "assistant",
-                    "model": req.model,
-                    "content": [],
-                    "stop_reason": None,
-                    "stop_sequence": None,
-                    "usage": usage(gen, output_tokens=0),
-                },
-            },
-        )
-        await ping()
-        # A ping each keepalive while no token comes (a long prefill): the SDKs skip it.
-        async for p in sse.kept_alive(gen.parts(), ping):
-            seen.append(p)
-            if p.kind == "tool_call":
-                await close_block()
-                index += 1
-                block = block_json(p)
-                await sse.event(
-                    "content_block_start",
-                    {
-                        "type": "content_block_start",
-                        "index": index,
-                        "content_block": {**block, "input": {}},
-                    },
-                )
-                await sse.event(
-                    "content_block_delta",
-                    {
-                        "type": "content_block_delta",
-                        "index": index,
-                        "delta": {
-                            "type": "input_json_delta",
-                            "partial_json": json.dumps(block["input"]),
-                        },
-                    },
-                )
-                await sse.event(
-                    "content_block_stop", {"type": "content_block_stop", "index": index}
-                )
-                continue
-            if not p.text:
-                continue
-            if open_kind != p.kind:
-                await close_block()
-                index += 1
-                open_kind = p.kind
-                start_block = (
-                    {"type": "text", "text": ""}
-                    if p.kind == "text"
-                    else {"type": "thinking", "thinking": "", "signature": ""}
-                )
-                await sse.event(
-                    "content_block_start",
-                    {"type": "content_block_start", "index": index, "content_block": start_block},
-                )
-            delta = (
-                {"type": "text_delta", "text": p.text}
-                if p.kind == "text"
-                else {"type": "thinking_delta", "thinking": p.text}
-            )
-            await sse.event(
-                "content_block_delta",
-                {"type": "content_block_delta", "index": index, "delta": delta},
-            )
-        await close_block()
-        reason, seq = stop_reason(gen, seen)
-        await sse.event(
-            "message_delta",
-            {
-                "type": "message_delta",
-                "delta": {"stop_reason": reason, "stop_sequence": seq},
-                "usage": usage(gen),
-            },
-        )
-        await sse.event("message_stop", {"type": "message_stop"})
-        await sse.end()
+        await MessageWriter(sse, gen, mid, req.model).write()
     finally:
         await gen.aclose()
     return sse.response

@@ -14,16 +14,12 @@ from multidict import CIMultiDict
 from ..fields import parse_json_object, read_body
 from ..generation import shown_settings
 from ..state import ENGINE, SETTINGS
-from ..upstream.passthrough import (
-    MODELS_TIMEOUT_S,
-    UPSTREAM_CONFIG,
-    UPSTREAM_SESSION,
-    _reason,
-    forward,
-    upstream_url,
-    with_token,
-)
-from . import openai as openai_api
+from ..upstream.client import UPSTREAM_CONFIG, UPSTREAM_SESSION, fault_reason, upstream_url
+from ..upstream.headers import with_token
+from ..upstream.model_list import MODELS_TIMEOUT_S
+from ..upstream.passthrough import forward
+from .openai import chat as chat_api
+from .openai import completions as completions_api
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +44,11 @@ async def _local_or_forward(request: web.Request, route) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _local_or_forward(request, openai_api.chat_completions)
+    return await _local_or_forward(request, chat_api.chat_completions)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _local_or_forward(request, openai_api.completions)
+    return await _local_or_forward(request, completions_api.completions)
 
 
 def local_model_entry(app: web.Application, model_id: str) -> dict[str, Any]:
@@ -97,7 +93,7 @@ async def _upstream_entries(request: web.Request) -> list[dict[str, Any]]:
         async with request.app[UPSTREAM_SESSION].get(url, timeout=timeout, headers=headers) as r:
             status, raw = r.status, await r.read()
     except (aiohttp.ClientError, TimeoutError) as e:
-        return _not_listed(request.app, f"GET {url} failed: {_reason(e)}")
+        return _not_listed(request.app, f"GET {url} failed: {fault_reason(e)}")
     if status != 200:
         return _not_listed(request.app, f"GET {url} answered HTTP {status}")
     try:

@@ -25,7 +25,8 @@ from .. import fields as f
 from ..errors import ApiError, api_error
 from ..generation import Generation, Given, bounded_id, request_options, session_id, start
 from ..state import ENGINE
-from .openai import parse_sampling, thinking_for_effort
+from .openai.chat import thinking_for_effort
+from .openai.shared import parse_sampling
 from .response_store import Items, ResponseStore
 from .responses_items import (
     ToolSet,

@@ -18,7 +18,7 @@ from engine_bridge.types import ImageInput, Message, ToolCall, ToolChoice
 from .. import fields as f
 from ..errors import ApiError
 from . import images
-from .openai import _parse_arguments
+from .openai.chat import _parse_arguments
 
 log = logging.getLogger("proxy.dialects.responses_items")
 

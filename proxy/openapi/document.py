@@ -1,7 +1,7 @@
 """The OpenAPI 3.1 document of the routes the proxy serves itself (GET /openapi.json).
 
 Built in code from what the dialect modules accept (proxy/fields.py and the parsers in
-proxy/dialects/openai.py and anthropic.py), so a fuzzer driven by it sends the fields and
+proxy/dialects/openai/ and anthropic.py), so a fuzzer driven by it sends the fields and
 types the proxy really reads. Model names are an enum of the models served here: a request
 for any other model goes to the upstream, which this document does not describe. Each
 dialect's schemas and each group of admin routes live in a module of proxy/openapi/ that

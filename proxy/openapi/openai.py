@@ -1,4 +1,4 @@
-"""The /openapi.json schemas of the OpenAI dialect (proxy/dialects/openai.py): chat and
+"""The /openapi.json schemas of the OpenAI dialect (proxy/dialects/openai/): chat and
 legacy completion requests, their answers and the error shape; openapi.document merges
 `schemas()`."""
 

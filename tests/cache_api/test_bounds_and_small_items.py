@@ -28,7 +28,7 @@ from proxy.config.model import UpstreamConfig
 from proxy.dialects.response_store import ResponseStore
 from proxy.dialects.responses import STORE
 from proxy.state import ProxySettings
-from proxy.upstream import passthrough
+from proxy.upstream import websocket
 from tests.conftest import REPO, fresh_cache_dir
 from tests.support.fake_lmstudio import FakeLmStudio
 
@@ -206,11 +206,11 @@ class _Socket:
 
 async def test_a_failing_pump_is_logged_and_the_other_is_ended_before_the_tunnel_returns(caplog):
     client, upstream = _Socket(fail=ConnectionResetError("client gone mid-frame")), _Socket()
-    with caplog.at_level(logging.WARNING, logger=passthrough.log.name):
-        await asyncio.wait_for(passthrough._tunnel(client, upstream, "GET /llm"), 5)
+    with caplog.at_level(logging.WARNING, logger=websocket.log.name):
+        await asyncio.wait_for(websocket._tunnel(client, upstream, "GET /llm"), 5)
     assert upstream.receiving_ended, "the upstream's pump still runs after the tunnel ended"
     assert upstream.closed_with == 1001  # the client vanished without a close frame
-    (record,) = [r for r in caplog.records if r.name == passthrough.log.name]
+    (record,) = [r for r in caplog.records if r.name == websocket.log.name]
     assert "ws pump to upstream: GET /llm" in record.message
     assert "client gone mid-frame" in record.message
 

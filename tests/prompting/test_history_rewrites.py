@@ -158,7 +158,7 @@ def test_a_reply_is_read_as_the_dialects_read_it(qwen):
 def test_an_openai_assistant_turn_may_send_its_reasoning_as_reasoning():
     """Clients and servers that use the newer name send `reasoning`; it reaches the
     template as `reasoning_content` does (the first one that is a string)."""
-    from proxy.dialects.openai import parse_messages
+    from proxy.dialects.openai.chat import parse_messages
 
     def reasoning_of(fields):
         body = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", **fields}]}

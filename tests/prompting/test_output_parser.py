@@ -152,8 +152,8 @@ def test_openai_and_anthropic_sdk_models_accept_tool_call_responses(parse):
     from anthropic.types import Message
     from openai.types.chat import ChatCompletion
 
-    from proxy.dialects.anthropic import block_json
-    from proxy.dialects.openai import tool_call_json
+    from proxy.dialects.anthropic_output import block_json
+    from proxy.dialects.openai.chat import tool_call_json
 
     parts = parse(TEXT, 5)
     call = tool_call_json(parts[2])

@@ -21,13 +21,9 @@ from aiohttp import web
 
 from engine_bridge.models.demo import ensure_demo_model
 from proxy.config.model import UpstreamConfig
-from proxy.upstream.passthrough import (
-    UPSTREAM_CONFIG,
-    forward,
-    merge_model_lists,
-    setup_passthrough,
-    upstream_models,
-)
+from proxy.upstream.client import UPSTREAM_CONFIG
+from proxy.upstream.model_list import merge_model_lists, upstream_models
+from proxy.upstream.passthrough import forward, setup_passthrough
 
 CHAT = {
     "messages": [{"role": "user", "content": "hello world"}],

@@ -1,4 +1,5 @@
-"""OpenAI dialect: /v1/chat/completions, /v1/completions."""
+"""OpenAI chat completions: POST /v1/chat/completions, from the messages, tools and
+reasoning effort in the body to the answer, whole or as its chunk stream."""
 
 from __future__ import annotations
 
@@ -14,44 +15,20 @@ from engine_bridge.types import (
     GenerationRequest,
     ImageInput,
     Message,
-    Sampling,
     ToolCall,
     ToolChoice,
 )
 
-from .. import fields as f
-from ..errors import ApiError
-from ..generation import Generation, Given, request_options, session_id, start
-from ..state import ENGINE
-from . import images
-from .output import Part, merge
-from .sse import SSEWriter
+from ... import fields as f
+from ...errors import ApiError
+from ...generation import Generation, Given, start
+from ...state import ENGINE
+from .. import images
+from ..output import Part, merge
+from ..sse import SSEWriter
+from .shared import lmstudio_extras, request_fields, usage
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
-
-
-def parse_sampling(body: dict) -> Sampling:
-    return Sampling(
-        temperature=f.get_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
-        top_p=f.get_float(body, "top_p", 1.0, lo=0.0, hi=1.0),
-        top_k=f.get_int(body, "top_k", 0, lo=0),
-        min_p=f.get_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        repetition_penalty=f.get_float(body, "repetition_penalty", 1.0, lo=0.01, hi=10.0),
-        seed=_seed(f.get_int(body, "seed")),
-    )
-
-
-def _seed(value: int | None) -> int | None:
-    # MLX keys are unsigned 64-bit; any integer (-1 included, which some clients send)
-    # names one key stream, the same one every time.
-    return None if value is None else value % (1 << 64)
-
-
-def _max_tokens(body: dict) -> int:
-    value = f.get_int(body, "max_completion_tokens", None, lo=1)
-    if value is None:
-        value = f.get_int(body, "max_tokens", 2048, lo=1)
-    return value
 
 
 def text_of(content: Any, where: str) -> str:
@@ -224,25 +201,8 @@ def thinking_for_effort(kwargs: dict[str, Any], effort: str, where: str) -> None
     kwargs.setdefault("enable_thinking", effort not in ("none", "minimal"))
 
 
-def _common(body: dict, request: web.Request) -> dict[str, Any]:
-    model = f.get_str(body, "model", nonempty=True)
-    n = f.get_int(body, "n", 1, lo=1)
-    if n != 1:
-        raise ApiError(400, "n: only n=1 is supported", param="n")
-    tenant, use_cache = request_options(request)
-    return dict(
-        model=model,
-        max_tokens=_max_tokens(body),
-        stop=f.get_stop(body, "stop"),
-        sampling=parse_sampling(body),
-        tenant=tenant,
-        use_cache=use_cache,
-        session=session_id(request, f.get_str(body, "user", None)),
-    )
-
-
 def chat_request(body: dict, request: web.Request) -> GenerationRequest:
-    common = _common(body, request)
+    common = request_fields(body, request)
     messages = parse_messages(body)
     tools = parse_tools(body)
     return GenerationRequest(
@@ -252,81 +212,6 @@ def chat_request(body: dict, request: web.Request) -> GenerationRequest:
         template_kwargs=thinking_kwargs(body),
         **common,
     )
-
-
-def completion_request(body: dict, request: web.Request) -> GenerationRequest:
-    common = _common(body, request)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, str):
-        return GenerationRequest(prompt=prompt, **common)
-    return GenerationRequest(prompt_tokens=parse_token_prompt(prompt), **common)
-
-
-def parse_token_prompt(prompt: Any) -> list[int]:
-    """A prompt given as token ids, which the engine uses as they are."""
-    if not isinstance(prompt, list):
-        raise ApiError(
-            400,
-            f"prompt: expected a string or an array of token ids, got {type(prompt).__name__}",
-            param="prompt",
-        )
-    if not prompt:
-        raise ApiError(400, "prompt: the token array is empty", param="prompt")
-    if len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
-        raise ApiError(
-            400, f"prompt: one prompt per request is supported, got {len(prompt)}", param="prompt"
-        )
-    for i, token in enumerate(prompt):
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise ApiError(
-                400,
-                f"prompt[{i}]: a token id must be a non-negative integer, got {f.short(token)}",
-                param="prompt",
-            )
-    return prompt
-
-
-def usage(gen: Generation) -> dict[str, Any]:
-    r = gen.result
-    prompt = r.prompt_tokens if r else gen.info.prompt_tokens
-    completion = r.completion_tokens if r else 0
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": gen.info.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": gen.reasoning_tokens},
-    }
-
-
-_LMSTUDIO_STOP = {
-    "stop": "eosFound",
-    "length": "maxPredictedTokensReached",
-    "stop_string": "stopStringFound",
-    "cancelled": "userStopped",
-}
-
-
-def lmstudio_extras(gen: Generation) -> dict[str, Any]:
-    """LM Studio's /api/v0 `stats` object, plus what the prompt cache did."""
-    r = gen.result
-    if r is None:
-        return {}
-    decode_s = max(r.generation_s - r.ttft_s, 1e-9)
-    return {
-        "stats": {
-            "tokens_per_second": round(max(r.completion_tokens - 1, 0) / decode_s, 3),
-            "time_to_first_token": round(r.ttft_s, 4),
-            "generation_time": round(r.generation_s, 4),
-            "stop_reason": _LMSTUDIO_STOP.get(r.finish_reason, r.finish_reason),
-            "cached_prompt_tokens": gen.info.cached_tokens,
-            "prompt_cache_source": gen.info.source,
-        },
-        "model_info": {"format": "mlx", "context_length": gen.context_length},
-        "runtime": {"name": "mlx-prompt-cache", "type": "mlx-lm"},
-    }
 
 
 def finish_reason(gen: Generation, parts: list[Part]) -> str:
@@ -428,68 +313,6 @@ async def chat_completions(
         await sse.data(last)
         if options.get("include_usage"):
             final = chunk({})
-            final["choices"] = []
-            final["usage"] = usage(gen)
-            await sse.data(final)
-        await sse.done()
-    finally:
-        await gen.aclose()
-    return sse.response
-
-
-async def completions(
-    request: web.Request, body: dict, lmstudio: bool = False
-) -> web.StreamResponse:
-    req = completion_request(body, request)
-    stream = f.get_bool(body, "stream")
-    options = f.get_dict(body, "stream_options", {}) or {}
-    gen = await start(request.app[ENGINE], req, request, Given.of(body), raw=True)
-    rid = "cmpl-" + uuid.uuid4().hex[:24]
-    created = int(time.time())
-
-    def finish() -> str:
-        return "length" if gen.result and gen.result.finish_reason == "length" else "stop"
-
-    if not stream:
-        try:
-            text = "".join([p.text async for p in gen.parts()])
-        finally:
-            await gen.aclose()
-        return web.json_response(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": req.model,
-                "choices": [
-                    {"index": 0, "text": text, "finish_reason": finish(), "logprobs": None}
-                ],
-                "usage": usage(gen),
-                **(lmstudio_extras(gen) if lmstudio else {}),
-            },
-            headers=gen.headers,
-        )
-    sse = SSEWriter(request, gen.headers)
-    await sse.prepare()
-
-    def chunk(text: str, reason: str | None = None) -> dict[str, Any]:
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": req.model,
-            "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}],
-        }
-
-    try:
-        async for p in sse.kept_alive(gen.parts()):
-            await sse.data(chunk(p.text))
-        last = chunk("", finish())
-        if lmstudio:
-            last.update(lmstudio_extras(gen))
-        await sse.data(last)
-        if options.get("include_usage"):
-            final = chunk("")
             final["choices"] = []
             final["usage"] = usage(gen)
             await sse.data(final)

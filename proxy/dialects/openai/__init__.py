@@ -1,0 +1,2 @@
+"""The OpenAI dialect: chat completions (`chat`), completions (`completions`), and what both
+routes share (`shared`)."""
