@@ -5,9 +5,10 @@ must pause so that checkpoints land on message starts, and stores what the reque
 computed at each save point (prefill chunks, end of prompt, end of generation).
 
 Before the request is queued, `read_ahead` reads what its lookup needs below RAM (the
-SSD's index and files, the shared store) on the tiers' I/O threads, each tier under a
-deadline (cache/tier_reads.py); `restore`, on the MLX thread, then looks up RAM and those
-bytes and promotes them, with no I/O of its own.
+SSD's index and files, the shared store), and its images' features RAM lacks, on the tiers'
+I/O threads, each tier under a deadline (cache/tier_reads.py); `restore`, on the MLX
+thread, then looks up RAM and those bytes, promotes them and hands the features its
+prefill needs to the vision feature cache, with no I/O of its own.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from . import kv
 from .cache.hashing import Chain, ExtraKeys
-from .cache.kinds import CheckpointReason, SavePoint
+from .cache.kinds import CheckpointReason, EntryKind, SavePoint
 from .cache.session_registry import SessionKey
 from .cache.ssd.index import Scope
-from .cache.tier_reads import Prefetched
+from .cache.tier_reads import Below, Prefetched
 from .cache.tiers import Hit, TieredCache
 from .engine_settings import CachePolicy
 from .models.loading import LoadedModel
@@ -31,7 +32,9 @@ from .scheduling.jobs import Job
 from .types import CacheSource
 
 if TYPE_CHECKING:
+    from .cache.ssd.store import SSDEntry
     from .sessions.catalog import ClientSessions
+    from .vision.features import FeatureCache
 
 log = logging.getLogger("engine_bridge.prompt_cache")
 
@@ -53,8 +56,11 @@ class LookupReport:
     checkpoint_interval: int
     # What came next was dropped lately: "evicted_ram", "evicted_ssd" or "expired".
     lost: str | None = None
-    # Tiers whose read-ahead missed its deadline, so they were a miss: "ssd", "shared".
+    # Tiers whose read-ahead missed its deadline, so they were a miss: "ssd", "shared";
+    # and how far the deepest of them said it reached before it was left behind (0: it
+    # did not get that far).
     late: tuple[str, ...] = ()
+    late_reach: int = 0
     message: int | None = None  # the message the divergence falls in
     before: str = ""  # the text just before and after the divergence
     after: str = ""
@@ -87,14 +93,18 @@ class ModelCache:
     def session(self, job: Job) -> CacheSession:
         return CacheSession(self, job)
 
-    def probe(self, job: Job) -> tuple[Hit, int]:
+    def probe(
+        self, job: Job, below: Below | None = None, session: CacheSession | None = None
+    ) -> tuple[Hit, int]:
         """What `job`'s lookup would find, and how far this machine's tiers (RAM and SSD)
         reach of it. It only reads: nothing promoted, pinned, reordered or written (no
-        `catch_up`, which a request's restore makes first). It asks the SSD and the shared
-        store itself, where it runs: any thread."""
-        session = self.session(job)
+        `catch_up`, which a request's restore makes first). `below`: what the tiers under
+        RAM answered ahead on their I/O threads (cache_probe.survey), so the MLX thread
+        does no I/O here; without it they are asked on this thread. `session`: `job`'s,
+        its prompt already hashed."""
+        session = session or self.session(job)
         needs = self.needs_checkpoint
-        hit = self.tiers.lookup(session.chain, session.scope, needs_checkpoint=needs)
+        hit = self.tiers.lookup(session.chain, session.scope, needs_checkpoint=needs, below=below)
         return hit, self.tiers.local_length(hit)
 
 
@@ -124,10 +134,41 @@ class CacheSession:
 
     async def read_ahead(self) -> None:
         """Read what this request's lookup needs below RAM on the tiers' I/O threads, while
-        the request waits here, before it is queued for the MLX thread."""
+        the request waits here, before it is queued for the MLX thread; with it, its
+        images' features RAM lacks (the prefill may need them: `restore` hands them over)."""
         snapshots = self.owner.needs_checkpoint
         starts = self.job.prompt.message_starts if snapshots else ()
-        self._read = await self.tiers.reads.prefetch(self.chain, self.scope, snapshots, starts)
+        features, images = self._images()
+        digests = features.missing(self.job.request.tenant, list(images)) if features else []
+        self._read = await self.tiers.reads.prefetch(
+            self.chain, self.scope, snapshots, starts, digests
+        )
+
+    def _images(self) -> tuple[FeatureCache | None, dict[bytes, int]]:
+        """The model's feature cache and, by digest, where the prompt's images end (the
+        last one of a digest); (None, {}) without images."""
+        seeing, vision = self.owner.loaded.vision, self.job.prompt.vision
+        if seeing is None or vision is None or not vision.images:
+            return None, {}
+        ends: dict[bytes, int] = {}
+        for image in vision.images:
+            ends[image.digest] = max(ends.get(image.digest, 0), image.end)
+        return seeing.feature_cache, ends
+
+    def _take_features(self, read: Prefetched | None) -> dict[bytes, tuple[SSDEntry, bool]]:
+        """The features read ahead for the prompt's images, by digest: (entry, shared)."""
+        if read is None:
+            return {}
+        taken = ((d, read.take(EntryKind.FEATURES, d)) for d in self._images()[1])
+        return {d: got for d, got in taken if got is not None}
+
+    def _adopt_features(self, taken: dict[bytes, tuple[SSDEntry, bool]], restored: int) -> None:
+        """Into the feature cache, those the prefill from `restored` on needs (an image
+        inside the restored prefix needs none): the MLX thread makes their arrays."""
+        features, ends = self._images()
+        for digest, (entry, shared) in taken.items():
+            if ends[digest] > restored:
+                features.adopt(self.job.request.tenant, digest, entry.tensors, shared)
 
     def discard(self) -> None:
         """Let go of what was read ahead for a request that never reached `restore`."""
@@ -140,12 +181,13 @@ class CacheSession:
         snapshots = self.owner.needs_checkpoint
         # The writes a request makes first (lost entries, due checkpoints), then a lookup
         # that only reads: RAM, and below it what was read ahead (without a read-ahead,
-        # the tiers themselves, as the probe's lookup asks them).
+        # which only a cache with no tier below RAM skips, the tiers themselves).
         self.tiers.catch_up(self.scope, needs_checkpoint=snapshots)
         read, self._read = self._read, None
         try:
             hit = self.tiers.lookup(self.chain, self.scope, needs_checkpoint=snapshots, below=read)
             promoted = hit.ssd is not None and self.tiers.promote(hit)
+            features = self._take_features(read)
         finally:
             if read is not None:
                 read.close()  # promoted: arrays now; the rest is not needed
@@ -154,6 +196,7 @@ class CacheSession:
         # the copy sits inside the `try`, since an entry left pinned is never evicted.
         match = self.tiers.pin(hit, promoted=promoted)
         try:
+            self._adopt_features(features, match.length)
             self.lookup = self._report(hit, match.length, read)
             self._log_divergence(self.lookup)
             ckpt_used = match.checkpoint
@@ -188,6 +231,7 @@ class CacheSession:
             policy.checkpoint_interval,
             lost,
             tuple(read.late) if read is not None else (),
+            read.late_reach if read is not None else 0,
         )
         lcp = hit.diverged_at
         if lcp is not None:

@@ -27,6 +27,7 @@ MissReason = Literal[
     "history_rewritten",
     "bypass",
     "partial",
+    "tier_late",
 ]
 FinishReason = Literal["stop", "length", "stop_string", "cancelled"]
 

@@ -54,6 +54,7 @@ _MIN_RATE = 32 << 20
 _WORKERS = 4  # threads per tier: requests reading ahead at once before they queue
 # Corrupt entries met during one promotion (or read-ahead) before it settles for what it has.
 PROMOTION_TRIES = 4
+FEATURES = EntryKind.FEATURES  # an image's encoder output, which a request may read ahead
 Reserve = Callable[[int], bool]
 Release = Callable[[int], None]
 # TieredCache._plan(chain, scope, snapshots, ram_length, reach, below): what to read.
@@ -119,8 +120,8 @@ class Deadline:
 
 
 class LiveBelow:
-    """The SSD and the shared store as they are: every answer is I/O. A phase's reads
-    (with its deadline), and the probe's lookup (without one)."""
+    """The SSD and the shared store as they are: every answer is I/O. A phase's reads and
+    a probe's questions (with its deadline), or a lookup off the MLX thread (without)."""
 
     def __init__(
         self, ssd: SSDStore | None, shared: SharedTier | None, deadline: Deadline | None = None
@@ -199,6 +200,9 @@ class Prefetched:
         self._checkpoints: dict[int, bytes] = {}  # position -> key of those read
         self.nbytes = 0  # taken from the budget
         self.late: list[str] = []  # tiers whose phase missed its deadline: "ssd", "shared"
+        # How far a phase's plan reached (set on its thread before it reads), and of the
+        # late phases, the deepest: what a late tier would have given, as far as it got.
+        self.reach = self.late_reach = 0
         self.on_disk: set[bytes] = set()  # keys RAM evicted that the SSD holds (`lost`)
 
     @property
@@ -221,6 +225,10 @@ class Prefetched:
 
     def has(self, kind: EntryKind, key: bytes) -> bool:
         return (kind, key) in self._entries
+
+    def take(self, kind: EntryKind, key: bytes) -> tuple[SSDEntry, bool] | None:
+        """An entry read ahead that no lookup promotes (an image's features), handed over."""
+        return self._entries.pop((kind, key), None)
 
     def add(self, kind: EntryKind, key: bytes, got: tuple[SSDEntry, bool], at: int = 0) -> None:
         self._entries[kind, key] = got
@@ -284,14 +292,9 @@ class TierReads:
     """The I/O threads that read below RAM ahead of admission, for one TieredCache."""
 
     def __init__(
-        self,
-        ram: CacheManager,
-        ssd: SSDStore | None,
-        shared: SharedTier | None,
-        plan: Plan,
-        *,
-        ssd_stall_s: float = SSD_STALL_S,
-    ) -> None:
+        self, ram: CacheManager, ssd: SSDStore | None, shared: SharedTier | None, plan: Plan,
+        *, ssd_stall_s: float = SSD_STALL_S,
+    ) -> None:  # fmt: skip
         self.ram, self.ssd, self.shared = ram, ssd, shared
         self._plan = plan  # the lookup's own planning, through the phase's Below
         self.ssd_stall_s = ssd_stall_s
@@ -306,19 +309,23 @@ class TierReads:
         self._n = dict.fromkeys(("prefetches", "entries", "bytes", "ssd", "shared", "errors"), 0)
 
     async def prefetch(
-        self, chain: Chain, scope: Scope, snapshots: bool, starts: Sequence[int] = ()
-    ) -> Prefetched | None:
+        self, chain: Chain, scope: Scope, snapshots: bool, starts: Sequence[int] = (),
+        features: Sequence[bytes] = (),
+    ) -> Prefetched | None:  # fmt: skip
         """Read what `chain`'s lookup needs below RAM; None with no tier below RAM.
-        `starts`: the checkpoint positions whose loss `TieredCache.lost` may explain."""
+        `starts`: the checkpoint positions whose loss `TieredCache.lost` may explain.
+        `features`: digests of the request's images whose features it may need, read in
+        the same phases (`Prefetched.take` hands them over)."""
         if self.ssd is None and self.shared is None:
             return None
         pre = Prefetched(self._budget)
+        args = (chain, scope, snapshots)
         try:
             ssd_ok = self.ssd is not None
             if ssd_ok:
-                ssd_ok = await self._phase("ssd", pre, self._local, chain, scope, snapshots, starts)
+                ssd_ok = await self._phase("ssd", pre, self._local, *args, starts, features)
             if self.shared is not None:
-                await self._phase("shared", pre, self._remote, chain, scope, snapshots, ssd_ok)
+                await self._phase("shared", pre, self._remote, *args, ssd_ok, features)
         except BaseException:
             pre.close()
             raise
@@ -328,34 +335,52 @@ class TierReads:
             self._n["bytes"] += pre.nbytes
         return pre
 
+    def deadline(self, tier: str) -> Deadline:
+        """A fresh deadline for a phase on `tier` ("ssd" or "shared")."""
+        return Deadline(self.ssd_stall_s if tier == "ssd" else self.shared_stall_s)
+
+    async def within(
+        self, tier: str, deadline: Deadline, fn: Callable[..., object], *args,
+        drop: Callable[[], object] = lambda: None,
+    ) -> str:  # fmt: skip
+        """Run `fn(*args)` on `tier`'s pool while the request waits here, until `deadline`
+        (which `fn` renews): "done"; "late" (counted; its thread stops at its next
+        operation, and `drop()` runs once it is done); or "failed" (logged)."""
+        future = self._pools[tier].submit(fn, *args)
+        waiting = asyncio.wrap_future(future)
+        try:
+            while not waiting.done() and deadline.at > time.monotonic():
+                await asyncio.wait((waiting,), timeout=deadline.at - time.monotonic())
+        finally:
+            if not waiting.done():  # late, or the request went away
+                deadline.abandoned = True
+                waiting.cancel()  # a phase still queued never runs
+                future.add_done_callback(lambda _: drop())
+        if waiting.cancelled():
+            self._late(tier, deadline)
+            return "late"
+        if waiting.exception() is not None:
+            log.error("reading ahead from the %s failed", tier, exc_info=waiting.exception())
+            self._count("errors")
+            return "failed"
+        return "done"
+
     async def _phase(self, tier: str, pre: Prefetched, fn: Callable[..., None], *args) -> bool:
         """Run `fn(part, pre, *args)` on `tier`'s pool and merge its part into `pre`; False
         once it is late (then its part closes itself when its thread is done) or failed."""
-        stall = self.ssd_stall_s if tier == "ssd" else self.shared_stall_s
-        part = Prefetched(self._budget, Deadline(stall))
-        future = self._pools[tier].submit(fn, part, pre, *args)
-        waiting = asyncio.wrap_future(future)
-        try:
-            while not waiting.done() and part.deadline.at > time.monotonic():
-                await asyncio.wait((waiting,), timeout=part.deadline.at - time.monotonic())
-        finally:
-            if not waiting.done():  # late, or the request went away
-                part.deadline.abandoned = True
-                waiting.cancel()  # a phase still queued never runs
-                future.add_done_callback(lambda _: part.close())
-        if waiting.cancelled():
+        part = Prefetched(self._budget, self.deadline(tier))
+        outcome = await self.within(tier, part.deadline, fn, part, pre, *args, drop=part.close)
+        if outcome == "done":
+            pre.merge(part)
+            return True
+        if outcome == "late":
             pre.late.append(tier)
-            self._late(tier, part)
-            return False
-        if waiting.exception() is not None:
-            log.error("reading ahead from the %s failed", tier, exc_info=waiting.exception())
+            pre.late_reach = max(pre.late_reach, part.reach)
+        else:
             part.close()
-            self._count("errors")
-            return False
-        pre.merge(part)
-        return True
+        return False
 
-    def _late(self, tier: str, part: Prefetched) -> None:
+    def _late(self, tier: str, deadline: Deadline) -> None:
         with self._lock:
             self._n[tier] += 1
             n = self._n[tier]
@@ -364,18 +389,21 @@ class TierReads:
             logging.WARNING if n == 1 or n % 100 == 0 else logging.DEBUG,
             "reading ahead from the %s took over %.1fs: that request goes on without it "
             "(%d such so far)",
-            "SSD" if tier == "ssd" else "shared store", part.deadline.stall_s, n,
+            "SSD" if tier == "ssd" else "shared store", deadline.stall_s, n,
         )  # fmt: skip
 
     def _count(self, name: str) -> None:
         with self._lock:
             self._n[name] += 1
 
-    def _local(self, part: Prefetched, pre: Prefetched, chain, scope, snapshots, starts) -> None:
-        """The SSD phase: RAM and the SSD's index planned, that run's files read; and which
-        entries RAM evicted lately are on disk (what `TieredCache.lost` asks)."""
+    def _local(self, part: Prefetched, pre: Prefetched, chain, scope, snapshots, starts, features):
+        """The SSD phase: RAM and the SSD's index planned, that run's files read, then the
+        `features`; and which entries RAM evicted lately are on disk (`lost` asks)."""
         below = LiveBelow(self.ssd, None, part.deadline)
         self._gather(chain, scope, snapshots, below, part, None)
+        for key in features:
+            if got := below.read(scope, FEATURES, key, part.reserve, part.release):
+                part.add(FEATURES, key, got)
         evicted = self.ram.evicted.cause
         checkpoints = [chain.checkpoint_key(p) for p in starts if 0 < p <= len(chain)]
         for kind, keys in (
@@ -387,11 +415,15 @@ class TierReads:
                 on = self.ssd.contains_many(scope, kind, keys)
                 part.on_disk.update(k for k, here in zip(keys, on, strict=True) if here)
 
-    def _remote(self, part: Prefetched, pre: Prefetched, chain, scope, snapshots, ssd_ok) -> None:
+    def _remote(self, part: Prefetched, pre: Prefetched, chain, scope, snapshots, ssd_ok, features):
         """The shared phase: what RAM and the SSD lack, from the store; entries of the SSD
         that its phase did not need, from the SSD, unless that phase was late."""
         below = LiveBelow(self.ssd if ssd_ok else None, self.shared, part.deadline)
         self._gather(chain, scope, snapshots, below, part, pre)
+        if keys := [k for k in dict.fromkeys(features) if not pre.has(FEATURES, k)]:
+            got = below.fetch_shared(scope, FEATURES, keys, part.reserve, part.release)
+            for key, entry in got.items():
+                part.add(FEATURES, key, (entry, True))
 
     def _gather(
         self,
@@ -418,6 +450,7 @@ class TierReads:
             plan = self._plan(chain, scope, snapshots, ram_length, reach, below)
             if plan is None:
                 return
+            into.reach = max(into.reach, plan.length)
             keys = [chain.hashes[i] for i in plan.blocks if not held(block, chain.hashes[i])]
             fetched = {}
             if below.has_shared and keys:

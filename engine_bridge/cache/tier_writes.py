@@ -37,7 +37,7 @@ from engine_bridge.cache.ssd.store import PutOutcome, SSDStore
 from engine_bridge.cache.tensors import HostTensor
 from engine_bridge.cache.write_policy import SPARSE_PERIODIC_EVERY, WritePolicy
 
-log = logging.getLogger("engine_bridge.cache.tiers")
+log = logging.getLogger(__name__)
 
 # Entry metadata the tiers add to the codec's own.
 META_REASON = "cache.reason"
@@ -217,7 +217,7 @@ class TierWrites:
         entry = self.ram.entry(EntryKind.CHECKPOINT, chain.checkpoint_key(position))
         if entry is None or entry.payload is not stored or entry.superseded:
             return  # evicted at once (and spilled), already held, or thinned
-        sparse = reason is CheckpointReason.PERIODIC and self._periodic_due(chain, scope, position)
+        sparse = reason is CheckpointReason.PERIODIC and self._periodic_due(chain, position)
         if sparse:
             # Written even once superseded: a crash in a long prefill resumes here.
             self._write_checkpoint(chain, entry, PutReason.WRITE_THROUGH, skip=False)
@@ -240,7 +240,7 @@ class TierWrites:
             and not entry.first_boundary
         )
 
-    def _periodic_due(self, chain: Chain, scope: Scope, position: int) -> bool:
+    def _periodic_due(self, chain: Chain, position: int) -> bool:
         """Whether a periodic checkpoint at `position` goes to disk at once: when the
         next periodic one would lie more than `periodic_write_every` tokens past both the
         point this prefill resumed from and the deepest checkpoint on the path that is on
@@ -260,16 +260,12 @@ class TierWrites:
             for c in self.ram.checkpoints_on(chain, lo, position - 1)
             if c.payload.on_ssd and c.key not in self.deferred
         ]
-        if self.ssd is not None:
-            # Periodic ones written earlier that thinning has since dropped from RAM.
-            points = list(range(position - interval, lo, -interval))
-            keys = [chain.checkpoint_key(p) for p in points]
-            found = self.ssd.contains_many(scope, EntryKind.CHECKPOINT, keys)
-            written += [
-                p
-                for p, k, present in zip(points, keys, found, strict=True)
-                if present or k in self._periodic_written
-            ]
+        # Periodic ones written earlier that thinning has since dropped from RAM, as this
+        # process remembers them: no index query on the MLX thread. One on disk from before
+        # a restart is where the prefill resumed (`resume_points`) unless the SSD missed
+        # its read-ahead deadline; one put again then, the writer skips (the index has it).
+        points = range(position - interval, lo, -interval)
+        written += [p for p in points if chain.checkpoint_key(p) in self._periodic_written]
         return position + interval - max(written, default=0) > every
 
     def _defer(self, chain: Chain, entry: Checkpoint) -> None:
@@ -412,20 +408,26 @@ class TierWrites:
     # ---- what the SSD lost ------------------------------------------------------------
 
     def _ssd_lost(self, scope: Scope | None) -> int:
-        """The SSD lost its copies (of `scope`, or all): what RAM still holds loses its
-        'on SSD' mark, so eviction spills it again, and with write-through it is put again
-        from the next requests. Runs on the SSD writer thread; returns the entries held."""
+        """The SSD lost its copies (of `scope`, or all): what RAM still holds and the disk
+        lacks loses its 'on SSD' mark, so eviction spills it again, and with write-through
+        it is put again from the next requests. Runs on the SSD writer thread, so this is
+        where the disk is asked what survived (a file the new index adopted): the puts on
+        the MLX thread (`rewrite_some`) ask no index. Returns the entries held."""
         held = [e for e in self.ram.entries() if scope is None or e.payload.scope == scope]
+        lost = []
         for entry in held:
-            entry.payload.on_ssd = False
+            entry.payload.on_ssd = self.ssd.holds(entry.payload.scope, entry.kind, entry.key)
+            if not entry.payload.on_ssd:
+                lost.append(entry)
         if self.policy is WritePolicy.THROUGH:
             with self._rewrite_lock:
-                self._rewrite.extend((e.kind, e.key, 0) for e in held)
+                self._rewrite.extend((e.kind, e.key, 0) for e in lost)
         return len(held)
 
     def rewrite_some(self, limit: int) -> int:
         """Put up to `limit` entries of the rewrite backlog, as far as the SSD queue has
-        room; skips those evicted (spilled then) or still on disk. Returns how many.
+        room; skips those evicted (spilled then) or on disk again. Returns how many. On the
+        MLX thread it asks the SSD nothing (`_ssd_lost` asked what survived).
 
         A put that raises ends the call, and its entry goes to the back of the backlog, so
         a fault that hits every put cannot drain it in one call, and one that hits a single
@@ -440,9 +442,6 @@ class TierWrites:
                 kind, key, tries = self._rewrite.popleft()
             entry = self.ram.entry(kind, key)
             if entry is None or entry.payload.on_ssd:
-                continue
-            if self.ssd.holds(entry.payload.scope, kind, key):
-                entry.payload.on_ssd = True  # its file survived, and the new index has it
                 continue
             try:
                 outcome = self._put(entry, PutReason.WRITE_THROUGH)

@@ -6,9 +6,10 @@ with its `host_hit_length`), and only reads: the probe route asks it too, and a 
 own writes before it (`catch_up`) run apart. RAM is matched once per lookup; promotion and
 pinning reuse that match. `promote` brings the SSD part into RAM, reserving the budget
 before it reads and falling back to a shallower checkpoint when an entry turns out corrupt.
-The tiers below RAM are asked through a `Below` (tier_reads.py): the SSD and the store
-themselves (the probe's lookup), or, for a request, the bytes read for it on I/O threads
-before it was queued, so its lookup and promotion on the MLX thread do no I/O.
+The tiers below RAM are asked through a `Below` (tier_reads.py): for a request, the bytes
+read for it on I/O threads before it was queued, for the probe what its phases asked there
+(cache_probe.Survey), so lookups and promotion on the MLX thread do no I/O; off it, the
+SSD and the store themselves (`live`).
 What is stored goes to SSD as `[cache.ssd] write_policy` says, and what RAM evicts spills
 there (tier_writes.py). Under the SSD, an optional shared store (Redis/Valkey, several
 machines) is asked for what RAM and the SSD lack, and written by its own policy
@@ -119,8 +120,8 @@ class TieredCache:
         self.shared = shared
         if shared is not None:
             shared.bind(self.writes.host_bytes, ssd)
-        # Below RAM as it is (the probe's lookups), and the I/O threads a request reads
-        # ahead on before it is queued (tier_reads.py).
+        # Below RAM as it is (lookups off the MLX thread), and the I/O threads a request
+        # (and a probe) reads ahead on before it is queued (tier_reads.py).
         self.live = LiveBelow(ssd, shared)
         self.reads = TierReads(ram, ssd, shared, self._plan)
 

@@ -2,8 +2,9 @@
 
 Each finished request is compared with the previous request of its session (tenant,
 model, session id): how far their tokens agree says how much the cache could have given,
-the messages say why the prompt left the earlier one, and the tiers' eviction records
-(`LookupReport.lost`) say whether what came next was evicted or expired. A hit-ratio
+the messages say why the prompt left the earlier one, the tiers' eviction records
+(`LookupReport.lost`) say whether what came next was evicted or expired, and the
+read-ahead (`LookupReport.late`) whether a tier below RAM missed its deadline. A hit-ratio
 alert watches the last `ALERT_WINDOW` requests that used the cache.
 """
 
@@ -155,6 +156,11 @@ def classify(
     hit, last = report.restored, prompt_len - 1  # a request always prefills one token
     if hit >= last:
         return "hit"
+    if report.late and (
+        report.late_reach > hit  # the late tier's own plan reached further than the hit
+        or (report.lost == "evicted_ram" and "ssd" in report.late)  # a copy unasked for
+    ):
+        return "tier_late"
     if report.lost is not None:
         return report.lost  # type: ignore[return-value]
     if prev is None:
@@ -162,7 +168,9 @@ def classify(
         return "hit" if hit and hit >= full else "new_session"
     reach = min(common_prefix(cur.tokens[:prompt_len], prev.tokens), last)
     if hit < _possible(reach, prev, report):
-        return "partial"  # the cache held less than the session stored, and no record says why
+        # The cache held less than the session stored: a tier that may hold the rest was
+        # late, or no record says why.
+        return "tier_late" if report.late else "partial"
     if reach >= last or cur.message_at(reach) >= len(prev.messages):
         return "hit" if hit else "partial"  # every earlier message rendered as before
     if cur.head != prev.head:

@@ -9,6 +9,12 @@ room for them and they count in `ram.charged_bytes`; each new entry is also queu
 SSD writer (header, checksums, verified reads) and read back from there after a restart or
 once RAM let it go. Without the tiers bound (the cache off) RAM holds them by the fixed cap
 alone, so a prefill in chunks still encodes an image once.
+
+The MLX thread, which asks for features (`get`), does no tier I/O: a request's read-ahead
+(cache/tier_reads.py, on the tiers' I/O threads, each under its deadline, before the
+request is queued) reads what RAM lacks (`missing`) from the SSD or the shared store, and
+its restore hands what its prefill needs over (`adopt`). A slow disk or store costs only
+that request: past the deadline those features are a miss, and the encoder runs.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class FeatureCache:
         self._ssd: SSDStore | None = None
         self._shared: SharedTier | None = None
         self._sent: set[tuple[str, bytes]] = set()  # entries in RAM the store was sent
+        self._fresh: set[tuple[str, bytes]] = set()  # adopted, not asked for since
         self._model = ""
         self.stats = FeatureStats()
 
@@ -97,39 +104,53 @@ class FeatureCache:
         return freed
 
     def get(self, tenant: str, digest: bytes) -> mx.array | None:
-        """RAM, then SSD, then the shared store; None when the encoder must run."""
+        """From RAM, where features read ahead from the SSD or the shared store were put
+        (`adopt`); None when the encoder must run. No tier I/O: the MLX thread asks."""
         key = (tenant, digest)
         with self._lock:
             hit = self._ram.get(key)
-            if hit is not None:
-                self._ram.move_to_end(key)
+            if hit is None:
+                return None
+            self._ram.move_to_end(key)
+            adopted = key in self._fresh  # its first use: counted as its tier's hit
+            self._fresh.discard(key)
+            if not adopted:
                 self.stats.feature_hits_ram += 1
-        if hit is not None:
+        if not adopted:
             self._reused(key, hit)
-            return hit
+        return hit
+
+    def missing(self, tenant: str, digests: list[bytes]) -> list[bytes]:
+        """Of `digests`, those RAM lacks: what a request reads ahead from the SSD and the
+        shared store (none unless bound to one)."""
         if self._ssd is None and self._shared is None:
-            return None
-        scope = Scope.of(self._model, tenant)
-        entry = None if self._ssd is None else self._ssd.get(scope, EntryKind.FEATURES, digest)
-        if entry is not None and (feats := _features_of(entry.tensors, digest)) is not None:
+            return []
+        with self._lock:
+            return [d for d in dict.fromkeys(digests) if (tenant, d) not in self._ram]
+
+    def adopt(self, tenant: str, digest: bytes, host: Mapping, shared: bool) -> bool:
+        """Features a request read ahead from the SSD (or the `shared` store) and its
+        prefill needs: into RAM, counted as that tier's hit. On the MLX thread (it makes an
+        array); False when they do not decode, RAM holds them already or cannot keep them
+        (then the encoder runs)."""
+        key = (tenant, digest)
+        with self._lock:
+            if key in self._ram:
+                return False
+        feats = _features_of(host, digest)
+        if feats is None or not self._keep(key, feats):
+            return False
+        with self._lock:
+            self._fresh.add(key)
+        if shared:
+            self.stats.feature_hits_shared += 1
+            self._mark_sent(key)
+            scope = Scope.of(self._model, tenant)
+            self._write_ssd(scope, digest, host, len(feats))  # a copy for a restart
+        else:
             self.stats.feature_hits_ssd += 1
-            self._keep(key, feats)
             self._reused(key, feats)
-            return feats
-        if self._shared is None:
-            return None
-        # Verified like an SSD read; the run's RAM is charged by _keep, not reserved here.
-        fetched = self._shared.fetch(
-            scope, EntryKind.FEATURES, [digest], reserve=lambda n: True, release=lambda n: None
-        )
-        entry = fetched.get(digest)
-        if entry is None or (feats := _features_of(entry.tensors, digest)) is None:
-            return None
-        self.stats.feature_hits_shared += 1
-        self._keep(key, feats)
-        self._mark_sent(key)
-        self._write_ssd(scope, digest, entry.tensors, len(feats))  # a copy for a restart
-        return feats
+        return True
 
     def put(self, tenant: str, digest: bytes, feats: mx.array) -> None:
         """A fresh encoder output: keep it in RAM and queue it to the SSD writer and, by its
@@ -186,23 +207,25 @@ class FeatureCache:
             self.stats.feature_entries = len(self._ram)
             return FeatureStats(**{k: getattr(self.stats, k) for k in FeatureStats.__slots__})
 
-    def _keep(self, key: tuple[str, bytes], feats: mx.array) -> None:
+    def _keep(self, key: tuple[str, bytes], feats: mx.array) -> bool:
+        """Keep `feats` in RAM; False when it does not fit (or RAM has it already)."""
         nbytes = feats.nbytes
         if nbytes > self.max_bytes:
-            return
+            return False
         with self._lock:
             if key in self._ram:
-                return
+                return False
             while self._ram and self.stats.feature_bytes + nbytes > self.max_bytes:
                 self._drop_oldest()
             # Blocks are evicted to make room; if pinned data leaves none, older features go
             # first, and with none left this one lives on SSD only.
             while self._tier is not None and not self._tier.charge(nbytes):
                 if not self._ram:
-                    return
+                    return False
                 self._drop_oldest()
             self._ram[key] = feats
             self.stats.feature_bytes += nbytes
+            return True
 
     def _drop_oldest(self) -> int:
         return self._drop(next(iter(self._ram)))
@@ -210,13 +233,14 @@ class FeatureCache:
     def _drop(self, key: tuple[str, bytes]) -> int:
         old = self._ram.pop(key)
         self._sent.discard(key)
+        self._fresh.discard(key)
         self.stats.feature_bytes -= old.nbytes
         if self._tier is not None:
             self._tier.credit(old.nbytes)
         return old.nbytes
 
 
-def _features_of(tensors: dict, digest: bytes) -> mx.array | None:
+def _features_of(tensors: Mapping, digest: bytes) -> mx.array | None:
     """An entry's features, or None (with a warning) when its payload does not decode."""
     if _TENSOR not in tensors:
         return None

@@ -170,7 +170,7 @@ def test_continuing_the_generated_tokens_resumes_at_the_end_of_generation(driver
     """The state after decoding (single-token steps) is a checkpoint like any other."""
     chat = Conversation(driver, model)
     a = chat.ask([*BASE, user("Write a short note for the van driver.")])
-    more = driver.engine.loaded(model).tokenizer.encode(" Thanks, and one more thing:")
+    more = driver.engine.models.loaded(model).tokenizer.encode(" Thanks, and one more thing:")
     b = chat.ask(tokens=a.tokens + a.out + more)
     assert b.cached == len(a.tokens) + len(a.out) - 1
 

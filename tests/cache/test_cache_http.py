@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from engine_bridge.engine_settings import CLAUDE_CODE_BILLING_HEADER
 from engine_bridge.models import loading as models
-from engine_bridge.prompting.render import CLAUDE_CODE_BILLING_HEADER, render_chat
+from engine_bridge.prompting.render import render_chat
 from engine_bridge.types import Message
 from tests.conftest import DEMO_IDS, fresh_cache_dir, start_server
 from tests.support.cache_driver import Driver, common_prefix

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from engine_bridge import engine as engine_module
 from engine_bridge import kv
+from engine_bridge import served as served_module
 from engine_bridge.engine import Engine, EngineSettings
 from engine_bridge.types import EngineError, GenerationRequest, Message
 from tests.conftest import fresh_cache_dir
@@ -18,7 +18,7 @@ def test_warming_a_model_without_a_prompt_cache_prefills_nothing(demo_root, tmp_
     def unsupported(*args, **kwargs):
         raise kv.UnsupportedCacheError("a cache layer this test cannot store")
 
-    monkeypatch.setattr(engine_module, "ModelCache", unsupported)
+    monkeypatch.setattr(served_module, "ModelCache", unsupported)  # where loads make caches
     engine = Engine(
         EngineSettings(
             cache_dir=fresh_cache_dir(demo_root, tmp_path), model_specs=["demo-llama"],

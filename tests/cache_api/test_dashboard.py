@@ -117,6 +117,18 @@ def test_every_dashboard_file_is_in_the_package_data():
     assert [f for f in files if not any(fnmatch(f, g) for g in globs)] == []
 
 
+def test_the_page_names_every_miss_reason_the_request_log_gives():
+    """A reason the page has no words for shows as its raw name in the requests table."""
+    from typing import get_args
+
+    from engine_bridge.types import MissReason
+
+    script = (dashboard.STATIC / "dashboard.js").read_text(encoding="utf-8")
+    table = script[script.index("const REASONS = {") : script.index("};", script.index("REASONS"))]
+    named = set(re.findall(r"^\s*(\w+):", table, re.MULTILINE))
+    assert named == set(get_args(MissReason))
+
+
 async def test_page_loads_without_a_key_but_its_data_and_the_passthrough_need_one(app_client):
     client = await app_client(keyed=True)
     assert (await client.get("/dashboard")).status == 200

@@ -32,7 +32,7 @@ from tests.support.redis_helpers import (  # noqa: F401 (redis_server_fixture: t
 
 SCOPE = Scope("model-s", "alice")
 BLOCK = EntryKind.BLOCK
-LOGGER = "engine_bridge.cache.shared.store"
+LOGGER = "engine_bridge.cache.shared.faults"  # the one warning per outage
 
 
 def key(i: int) -> bytes:

@@ -52,7 +52,7 @@ from tests.support.ssd_server_helpers import stats as server_stats
 BS = 4
 SCOPE = Scope("model-f")
 TOKENS = list(range(300, 330))  # 7 full blocks and 2 tokens
-LOGGER = "engine_bridge.cache.ssd.store"
+LOGGER = "engine_bridge.cache.ssd"  # the tier's modules: store, health (the folder), writer
 
 
 def block(i: int) -> kv.BlockPayload:
@@ -228,7 +228,7 @@ def test_one_entry_whose_put_keeps_failing_is_given_up_and_counted(tmp_path, mon
     bad = c.hashes[2]
     t = lost_backlog(root, monkeypatch, lambda key: key == bad)
     pending = []
-    with caplog.at_level(logging.DEBUG, logger="engine_bridge.cache.tiers"):
+    with caplog.at_level(logging.DEBUG, logger="engine_bridge.cache.tier_writes"):
         for _ in range(REWRITE_TRIES + 1):  # one request each
             assert request(t, c) == 28
             pending.append(t.writes.stats().rewrites_pending)
@@ -243,7 +243,7 @@ def test_one_entry_whose_put_keeps_failing_is_given_up_and_counted(tmp_path, mon
     given_up = [
         r
         for r in caplog.records
-        if r.name == "engine_bridge.cache.tiers" and r.levelno >= logging.WARNING
+        if r.name == "engine_bridge.cache.tier_writes" and r.levelno >= logging.WARNING
     ]
     assert [r.getMessage() for r in given_up] == [
         "ssd: gave up writing a lost block again after 3 failed puts (RAM still holds it; "

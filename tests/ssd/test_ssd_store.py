@@ -191,7 +191,7 @@ def test_disk_full_disables_writes_with_one_warning(store, tmp_path, monkeypatch
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", disk_full)
-    with caplog.at_level(logging.WARNING, logger="engine_bridge.cache.ssd.store"):
+    with caplog.at_level(logging.WARNING, logger="engine_bridge.cache.ssd"):
         assert store.put(SCOPE, EntryKind.BLOCK, key(1), tensors(1)) == "queued"
         assert store.put(SCOPE, EntryKind.BLOCK, key(2), tensors(2)) == "queued"
         assert store.flush()
@@ -222,7 +222,7 @@ def test_read_only_folder_disables_writes_reads_still_work(store, tmp_path, monk
 
     monkeypatch.setattr(os, "open", ro_open)
     monkeypatch.setattr(os, "mkdir", ro_mkdir)
-    with caplog.at_level(logging.WARNING, logger="engine_bridge.cache.ssd.store"):
+    with caplog.at_level(logging.WARNING, logger="engine_bridge.cache.ssd"):
         assert store.put(SCOPE, EntryKind.BLOCK, key(1), tensors(1)) == "queued"
         assert store.flush()
     stats = store.stats()
@@ -234,7 +234,7 @@ def test_read_only_folder_disables_writes_reads_still_work(store, tmp_path, monk
 
 def test_unusable_root_starts_disabled_and_never_raises(tmp_path, caplog):
     (tmp_path / "a-file").write_text("not a folder")
-    with caplog.at_level(logging.WARNING, logger="engine_bridge.cache.ssd.store"):
+    with caplog.at_level(logging.WARNING, logger="engine_bridge.cache.ssd"):
         store = open_store(tmp_path / "a-file" / "cache")
     assert store.stats().disabled
     assert store.put(SCOPE, EntryKind.BLOCK, key(1), tensors(1)) == "disabled"

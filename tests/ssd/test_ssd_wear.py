@@ -98,7 +98,7 @@ def test_max_write_per_day_stops_writes_with_one_warning_and_reads_go_on(tmp_pat
     c = chain()
     with open_ssd(tmp_path, max_write_per_day=1) as ssd:
         t = tiers(ssd, WritePolicy.THROUGH)
-        with caplog.at_level(logging.WARNING, logger="engine_bridge.cache.ssd.store"):
+        with caplog.at_level(logging.WARNING, logger="engine_bridge.cache.ssd.wear"):
             t.store_blocks(c, SCOPE, {0: block(0)})
             assert ssd.flush(30.0)
             t.store_blocks(c, SCOPE, {i: block(i) for i in range(1, 7)})

@@ -234,7 +234,8 @@ def test_the_same_bytes_are_preprocessed_once_and_limits_still_apply(demo_vision
 def test_normalization_rules_rewrite_the_text_between_images():
     import re
 
-    from engine_bridge.prompting.render import NormalizationRule, normalize_messages
+    from engine_bridge.engine_settings import NormalizationRule
+    from engine_bridge.prompting.render import normalize_messages
     from engine_bridge.types import Message
 
     image = ImageInput(b"png bytes", "image/png", "messages[0].content[1].source.data")

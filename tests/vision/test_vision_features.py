@@ -3,11 +3,14 @@
 Encoder output is charged to the RAM tier's budget (blocks are evicted for it, and it is let
 go when the budget cannot hold it), written to the SSD store as an entry of its own kind,
 and read back, verified, by another process or once RAM has dropped it: a turn that needs
-an image's features past the cached prefix does not run the encoder again.
+an image's features past the cached prefix does not run the encoder again. Reading back is
+a request's read-ahead (`read_ahead` below does what its cache session does): the MLX
+thread, which asks the feature cache, does no tier I/O.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 
 import mlx.core as mx
@@ -28,6 +31,7 @@ from engine_bridge.cache.shared.store import SharedStore  # noqa: E402
 from engine_bridge.cache.shared.tier import SharedTier  # noqa: E402
 from engine_bridge.cache.ssd.index import Scope  # noqa: E402
 from engine_bridge.cache.ssd.store import SSDConfig, SSDStore  # noqa: E402
+from engine_bridge.cache.tier_reads import TierReads  # noqa: E402
 from engine_bridge.types import ImageInput  # noqa: E402
 from engine_bridge.vision import model as vision  # noqa: E402
 from engine_bridge.vision import prompt as vp  # noqa: E402
@@ -69,6 +73,22 @@ def encode_uncached(model, img) -> mx.array:
     return model.features(img)
 
 
+def read_ahead(cache: FeatureCache, tenant: str, img, ssd, shared=None, ram=None) -> None:
+    """What a request with `img` does before its prefill (prompt_cache.CacheSession): its
+    read-ahead reads the features RAM lacks on the tiers' I/O threads (tier_reads.py), and
+    its restore, on the MLX thread, hands them to the feature cache."""
+    reads = TierReads(ram or CacheManager(1 << 30), ssd, shared, lambda *a: None)
+    try:
+        digests = cache.missing(tenant, [img.digest])
+        pre = asyncio.run(reads.prefetch(Chain([0], 4), Scope("fp", tenant), False, (), digests))
+        got = pre.take(EntryKind.FEATURES, img.digest)
+        if got is not None:
+            cache.adopt(tenant, img.digest, got[0].tensors, got[1])
+        pre.close()
+    finally:
+        reads.close()
+
+
 def test_features_count_in_the_ram_budget_and_come_back_from_ssd(model, tmp_path):
     first, second = image(model, 1), image(model, 2)
     want1, want2 = encode_uncached(model, first), encode_uncached(model, second)
@@ -92,10 +112,13 @@ def test_features_count_in_the_ram_budget_and_come_back_from_ssd(model, tmp_path
     assert cache.stats.encoder_runs == 2
     assert ssd.flush()
     assert ssd.holds(Scope("fp", "alice"), EntryKind.FEATURES, first.digest)
+    read_ahead(cache, "alice", first, ssd, ram=ram)
     again = model.features(first, "alice")
     assert cache.stats.encoder_runs == 2 and cache.stats.feature_hits_ssd == 1
+    assert cache.stats.feature_hits_ram == 1  # the read back is the SSD's hit, not RAM's
     assert mx.array_equal(again, want1) and again.dtype == want1.dtype
     # Another tenant's request does not read alice's entry: scoped like blocks.
+    read_ahead(cache, "bob", first, ssd, ram=ram)
     model.features(first, "bob")
     assert cache.stats.encoder_runs == 3
     # A model unloaded hands its bytes back to the budget.
@@ -107,6 +130,7 @@ def test_features_count_in_the_ram_budget_and_come_back_from_ssd(model, tmp_path
     reopened = SSDStore(SSDConfig(tmp_path / "ssd", reconcile="sync"))
     cache = model.feature_cache = FeatureCache()
     cache.bind(CacheManager(1 << 30), reopened, "fp")
+    read_ahead(cache, "alice", second, reopened)
     assert mx.array_equal(model.features(second, "alice"), want2)
     assert cache.stats.encoder_runs == 0 and cache.stats.feature_hits_ssd == 1
     reopened.close()
@@ -130,7 +154,8 @@ def test_a_budget_shrunk_under_pressure_lets_features_go_to_ssd_after_the_blocks
     assert stats.blocks == 0 and stats.charged_bytes == size and freed == 2 * size
     assert cache.snapshot().feature_entries == 1 and cache.stats.feature_bytes == size
     assert ssd.flush()
-    model.features(first, "alice")  # read back from SSD, the newer one leaving RAM for it
+    read_ahead(cache, "alice", first, ssd, ram=ram)  # the newer one leaves RAM for it
+    model.features(first, "alice")
     assert cache.stats.encoder_runs == 2 and cache.stats.feature_hits_ssd == 1
     ram.set_budget(0)
     assert ram.stats().charged_bytes == 0 and cache.snapshot().feature_entries == 0
@@ -150,7 +175,14 @@ class Machine:
         self.store = SharedStore(SharedConfig(url=url, write_policy=policy, timeout_s=2.0))
         self.ssd = SSDStore(SSDConfig(tmp_path / name, reconcile="sync"))
         self.cache = FeatureCache()
-        self.cache.bind(CacheManager(1 << 30), self.ssd, "fp", SharedTier(self.store))
+        self.shared = SharedTier(self.store)
+        self.cache.bind(CacheManager(1 << 30), self.ssd, "fp", self.shared)
+
+    def features(self, model, img, tenant: str) -> mx.array:
+        """A request's: read ahead, then asked for on the MLX thread."""
+        model.feature_cache = self.cache
+        read_ahead(self.cache, tenant, img, self.ssd, self.shared)
+        return model.features(img, tenant)
 
     def close(self) -> None:
         self.ssd.close()
@@ -174,14 +206,13 @@ def test_features_encoded_on_one_machine_are_read_on_another_from_the_shared_sto
             model.features(img, "alice")
             assert a.store.flush(10)
         assert a.cache.stats.feature_shared_writes == 1
-        model.feature_cache = b.cache
-        got = model.features(img, "alice")
+        got = b.features(model, img, "alice")
         stats = b.cache.stats
         assert (stats.encoder_runs, stats.feature_hits_shared) == (0, 1)
         assert mx.array_equal(got, want) and got.dtype == want.dtype
         # B keeps a copy on its own SSD, for its restarts.
         assert b.ssd.flush() and b.ssd.holds(Scope("fp", "alice"), EntryKind.FEATURES, img.digest)
-        model.features(img, "bob")  # alice's entry is not bob's, on any machine
+        b.features(model, img, "bob")  # alice's entry is not bob's, on any machine
         assert b.cache.stats.encoder_runs == 1
         # A corrupt value in the store is a miss: the encoder runs, the answer is its own.
         client = redis_server.client()
@@ -189,8 +220,7 @@ def test_features_encoded_on_one_machine_are_read_on_another_from_the_shared_sto
             value = bytearray(client.get(name))
             value[-1] ^= 0x01
             client.set(name, bytes(value))
-        model.feature_cache = c.cache
-        assert mx.array_equal(model.features(img, "alice"), want)
+        assert mx.array_equal(c.features(model, img, "alice"), want)
         assert (c.cache.stats.encoder_runs, c.cache.stats.feature_hits_shared) == (1, 0)
         assert c.store.stats().errors["corrupt"] == 1
     finally:
@@ -214,6 +244,7 @@ def test_a_corrupt_feature_file_is_a_miss_and_the_encoder_runs(model, tmp_path):
     reopened = SSDStore(SSDConfig(tmp_path / "ssd", reconcile="sync"))
     cache = model.feature_cache = FeatureCache()
     cache.bind(None, reopened, "fp")
+    read_ahead(cache, "alice", img, reopened)
     assert mx.array_equal(model.features(img, "alice"), want)
     assert cache.stats.encoder_runs == 1 and cache.stats.feature_hits_ssd == 0
     reopened.close()

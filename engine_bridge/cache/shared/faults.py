@@ -12,7 +12,7 @@ import redis
 
 from engine_bridge.cache.ssd.format import FormatError
 
-log = logging.getLogger("engine_bridge.cache.shared.store")
+log = logging.getLogger(__name__)
 
 FAULTS = ("down", "timeout", "auth", "full", "corrupt", "error")
 Fault = Literal["down", "timeout", "auth", "full", "corrupt", "error"]

@@ -27,7 +27,7 @@ from engine_bridge.cache.ssd import files, maintenance
 from engine_bridge.cache.ssd.index import Index, Scope, index_path
 from engine_bridge.cache.ssd.maintenance import ReconcileReport
 
-log = logging.getLogger("engine_bridge.cache.ssd.store")
+log = logging.getLogger(__name__)
 
 FileId = tuple[int, int]  # (st_dev, st_ino)
 

@@ -16,7 +16,7 @@ from engine_bridge.cache.ssd import files
 from engine_bridge.cache.ssd.format import FormatError, verify_file
 from engine_bridge.cache.ssd.index import EntryRow, Index, RawId, Scope
 
-log = logging.getLogger("engine_bridge.cache.ssd.store")
+log = logging.getLogger(__name__)
 _BATCH = 256
 
 

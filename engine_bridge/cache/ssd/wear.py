@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-log = logging.getLogger("engine_bridge.cache.ssd.store")
+log = logging.getLogger(__name__)
 
 WEAR_FILE = "wear.json"
 # Days of history kept in the file and shown in stats.

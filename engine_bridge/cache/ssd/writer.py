@@ -20,7 +20,7 @@ from engine_bridge.cache.kinds import PutReason
 from engine_bridge.cache.ssd.index import RawId
 from engine_bridge.cache.tensors import HostTensor
 
-log = logging.getLogger("engine_bridge.cache.ssd.store")
+log = logging.getLogger(__name__)
 
 Admission = Literal["queued", "duplicate", "dropped", "closed"]
 

@@ -24,6 +24,7 @@
     history_rewritten: "history rewritten by the template",
     bypass: "bypass",
     partial: "partial hit",
+    tier_late: "SSD or shared tier too slow",
   };
 
   const $ = (id) => document.getElementById(id);
