@@ -24,8 +24,6 @@ from .cache.write_policy import WritePolicy, resolve_write_policy
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from .scheduling.speculation.drafters import Drafter
-
 __all__ = [
     "BYTES_BUCKETS",
     "CLAUDE_CODE_BILLING_HEADER",
@@ -103,8 +101,8 @@ class SpeculativeSettings:
     # drafts chain the head on its own output and are accepted less often.
     mtp_depth: int = 1
     # Tests replace the drafter (an oracle, a corrupted oracle, one always wrong): it is
-    # made per sequence from the prompt's tokens.
-    drafter: Callable[[Sequence[int]], Drafter] | None = field(default=None, repr=False)
+    # made per sequence from the prompt's tokens, and is a `speculation.drafters.Drafter`.
+    drafter: Callable[[Sequence[int]], object] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

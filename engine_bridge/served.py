@@ -1,21 +1,37 @@
-"""The models this process serves, by id: each one's reference, and its runner once loaded.
+"""The models this process serves: the table of them by id (each one's reference, and its
+runner once loaded), and their lifecycle: a load makes room first (the memory preflight
+unloads idle models, else refuses), idle models unload, and the memory guard runs.
 
-The engine owns one table and loads into it; the session routes (sessions/admin.py) read it
+The engine owns one `ModelLifecycle`; the session routes (sessions/admin.py) read its table
 to find running jobs and loaded models without knowing the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
+from . import kv
+from .cache.tiers import TieredCache
+from .engine_settings import EngineSettings
+from .models import loading as models
 from .models.loading import LoadedModel, ModelRef
+from .models.preflight import Preflight
+from .ops import heap
+from .ops.memory import HEAP_TRIM_S, MemoryGuard, release_memory
+from .prompt_cache import ModelCache
 from .scheduling.jobs import Job
 from .scheduling.runner import Runner
-from .types import EngineError, ModelInfo
+from .scheduling.scheduler import Scheduler
+from .sessions.catalog import ClientSessions
+from .types import EngineError, GenerationRequest, GenerationResult, ModelInfo
+
+log = logging.getLogger("engine_bridge.served")
 
 
 @dataclass(slots=True)
@@ -142,3 +158,166 @@ class ServedModels:
             if entry.runner is not None
             for job in list(entry.runner.live_jobs.values())
         ]
+
+
+class ModelLifecycle:
+    """Loads and unloads the served models on the one MLX thread, one at a time.
+
+    A model loads on first use (`runner`), after the memory preflight made room for it;
+    `unload_idle` and the janitor let go of models no request used lately. Each loaded
+    model gets its prompt cache here (`cache`), over the process-wide tiers.
+    """
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        scheduler: Scheduler,
+        tiers: TieredCache,
+        sessions: ClientSessions,
+        *,
+        on_result: Callable[[GenerationRequest, GenerationResult], None],
+        on_done: Callable[[LoadedModel, object, GenerationResult], None],
+        before_room: Callable[[], Awaitable[None]],
+    ):
+        self.table = ServedModels()
+        self.settings = settings
+        self.scheduler = scheduler
+        self.tiers = tiers
+        self.sessions = sessions
+        self.memory = MemoryGuard(tiers, settings)
+        self.preflight = Preflight(settings, scheduler, tiers)
+        # Awaited before a model loads in-process, with what is about to load: the proxy
+        # asks LM Studio to let go of its own copy of the same weights.
+        self.before_load: Callable[[ModelRef], Awaitable[None]] | None = None
+        self._caches: dict[str, ModelCache] = {}  # each loaded model's prompt cache
+        self._on_result = on_result
+        self._on_done = on_done
+        # Awaited before idle models are unloaded to make room (a warm-up holds its model).
+        self._before_room = before_room
+
+    def loaded(self, model_id: str) -> LoadedModel | None:
+        """`model_id`'s loaded model (tokenizer, weights, config); None while not loaded."""
+        entry = self.table.get(model_id)
+        return entry.loaded if entry is not None else None
+
+    def cache(self, model_id: str) -> ModelCache | None:
+        """The prompt cache of a loaded model; None when it has none (or is not loaded)."""
+        entry = self.table.get(model_id)
+        return self._caches.get(model_id) if entry and entry.runner else None
+
+    async def runner(self, model_id: str) -> Runner:
+        """`model_id`'s runner, loading the model first if it is not (a 404 if not served)."""
+        entry = self.table.require(model_id)
+        if entry.runner is None:
+            async with self.table.lifecycle:  # one load or unload at a time
+                if entry.runner is None:
+                    entry.runner = await self._load(entry.ref)
+        # Marks the model busy for the idle janitor before any await can intervene.
+        entry.runner.last_used = time.monotonic()
+        return entry.runner
+
+    async def _load(self, ref: ModelRef) -> Runner:
+        """Load `ref` (the lifecycle lock held) and add its runner to the scheduler."""
+        if self.before_load is not None:
+            await self.before_load(ref)
+        if self.settings.memory_preflight:
+            await self._make_room(ref)
+        loaded = await self.scheduler.run(models.load, ref)
+        if loaded.vision is not None and self.settings.cache_enabled:
+            features = loaded.vision.feature_cache
+            features.bind(self.tiers.ram, self.tiers.ssd, loaded.fingerprint, self.tiers.shared)
+        runner = Runner(
+            loaded,
+            self.scheduler,
+            self._session_factory(loaded),
+            on_result=self._on_result,
+            on_done=functools.partial(self._on_done, loaded),
+        )
+        self.scheduler.add(runner)
+        return runner
+
+    async def _make_room(self, ref: ModelRef) -> None:
+        """Load only what fits: unload idle models for room, else refuse (preflight.py)."""
+        # Off the event loop: it reads the system's memory and stats the weights' files.
+        plan = await asyncio.to_thread(self.preflight.check, ref)
+        unloaded: list[str] = []
+        if not plan.fits:
+            await self._before_room()
+            unloaded = await self._unload_idle(0.0, keep=ref.id)
+            if unloaded:
+                plan = await asyncio.to_thread(self.preflight.check, ref)
+        if not plan.fits:
+            message = plan.refusal(unloaded)
+            log.warning("%s", message)
+            raise EngineError(message, field="model", status=503)
+        await self.scheduler.run(self.preflight.apply, plan)
+        log.info("loading %s: %s", ref.id, plan.figures())
+
+    def _session_factory(self, loaded: LoadedModel):
+        if not self.settings.cache_enabled:
+            return None
+        try:
+            cache = ModelCache(loaded, self.tiers, self.settings.cache_policy, self.sessions)
+        except kv.UnsupportedCacheError as e:
+            log.warning("prompt cache off for %s: %s", loaded.id, e)
+            return None
+        self._caches[loaded.id] = cache
+        return cache.session
+
+    async def unload_idle(self, idle_s: float) -> list[str]:
+        """Unload models unused for `idle_s` seconds; their cache stays on SSD (and in RAM)."""
+        async with self.table.lifecycle:
+            return await self._unload_idle(idle_s)
+
+    async def _unload_idle(self, idle_s: float, keep: str | None = None) -> list[str]:
+        """`unload_idle` with the lifecycle lock held, sparing `keep` (the model loading)."""
+        now, unloaded = time.monotonic(), []
+        idle = self.table.take_idle(idle_s, keep)
+        while idle:
+            model_id, runner = idle.pop(0)
+            self.scheduler.remove(runner)
+            # The prompt cache's ModelCache holds the LoadedModel; its blocks and
+            # checkpoints live in the shared tiers, keyed by the model's fingerprint,
+            # and a reload makes a new ModelCache over them.
+            self._caches.pop(model_id, None)
+            idle_for = now - runner.last_used
+            if runner.loaded.vision is not None:
+                runner.loaded.vision.feature_cache.unbind()  # its RAM goes back to the budget
+            del runner  # the last reference: the weights go with it (test_idle_unload)
+            await self.scheduler.run(release_memory)
+            log.info("unloaded %s after %.0fs idle", model_id, idle_for)
+            unloaded.append(model_id)
+        return unloaded
+
+    async def janitor(self) -> None:
+        """The memory guard, and idle unloading, while serving."""
+        idle = self.settings.idle_unload_s
+        guard = self.settings.ram_min_available_bytes is not None and self.settings.cache_enabled
+        if not idle and not guard:
+            return
+        idle_period = max(1.0, min(30.0, idle / 4)) if idle else 0.0
+        period = self.settings.memory_check_s if guard else idle_period
+        last_idle_check = last_trim = time.monotonic()
+        while True:
+            await asyncio.sleep(period)
+            if guard:
+                # On the MLX thread: a shrink evicts, and a spill turns arrays into bytes,
+                # which MLX only does on the thread that owns their stream.
+                await self.scheduler.run(self.memory.check)
+                if time.monotonic() - last_trim >= HEAP_TRIM_S:
+                    last_trim = time.monotonic()
+                    await asyncio.to_thread(heap.trim)
+            if idle and time.monotonic() - last_idle_check >= idle_period:
+                last_idle_check = time.monotonic()
+                await self.unload_idle(idle)
+
+    def warm_room_tokens(self, model_id: str, share: float) -> int | None:
+        """How many new tokens of `model_id` fit in `share` of the RAM tier's budget;
+        None before a prefill taught the runner its bytes per token."""
+        entry = self.table.get(model_id)
+        per_token = entry.runner.bytes_per_token if entry and entry.runner else 0.0
+        if per_token <= 0:
+            return None
+        if self.memory.pressure.active:
+            return 0  # the guard is shrinking the tier: nothing ahead of need
+        return int(self.tiers.ram.budget_bytes * share / per_token)

@@ -241,7 +241,7 @@ def measure_model(model_id: str, root: Path, case: Case, sizes: Sizes) -> dict[s
 async def _measure(engine, model_id: str, case: Case, sizes: Sizes) -> dict[str, Any]:
     from engine_bridge.types import GenerationRequest, Message, Sampling
 
-    tokenizer = (await engine.load(model_id)).tokenizer
+    tokenizer = (await engine.models.runner(model_id)).loaded.tokenizer
     # What the forced-output rule scripts, then end of sequence (output_rules.py).
     truth = list(tokenizer.encode(case.edited, add_special_tokens=False))
     eos = getattr(tokenizer, "eos_token_id", None)

@@ -72,7 +72,7 @@ async def measure(path: Path, cache_dir: Path) -> dict[str, int]:
         pass
     figures["rss_loaded"] = rss()
     figures |= {f"{k}_loaded": v for k, v in mlx_memory().items() if k.startswith("mlx_")}
-    assert await engine.unload_idle(0.0) == [model_id]
+    assert await engine.models.unload_idle(0.0) == [model_id]
     gc.collect()
     figures["rss_after_unload"] = rss()
     figures |= {f"{k}_unloaded": v for k, v in mlx_memory().items() if k.startswith("mlx_")}

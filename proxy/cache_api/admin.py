@@ -45,27 +45,25 @@ def _session_id(request: web.Request) -> str:
 
 
 async def list_sessions(request: web.Request) -> web.Response:
-    views = await request.app[ENGINE].session_admin.list(caller_tenant(request))
+    views = await request.app[ENGINE].list_sessions(caller_tenant(request))
     return web.json_response({"sessions": [asdict(v) for v in views]})
 
 
 async def delete_session(request: web.Request) -> web.Response:
-    admin = request.app[ENGINE].session_admin
-    done = await admin.delete(_session_id(request), caller_tenant(request))
+    engine = request.app[ENGINE]
+    done = await engine.delete_session(_session_id(request), caller_tenant(request))
     return web.json_response({"id": done.id, "deleted": True, "freed_bytes": done.freed_bytes})
 
 
 async def pin_session(request: web.Request) -> web.Response:
-    admin = request.app[ENGINE].session_admin
     sid = _session_id(request)
-    pinned = await admin.pin(sid, caller_tenant(request), True)
+    pinned = await request.app[ENGINE].pin_session(sid, caller_tenant(request), True)
     return web.json_response({"id": sid, "pinned": pinned})
 
 
 async def unpin_session(request: web.Request) -> web.Response:
-    admin = request.app[ENGINE].session_admin
     sid = _session_id(request)
-    pinned = await admin.pin(sid, caller_tenant(request), False)
+    pinned = await request.app[ENGINE].pin_session(sid, caller_tenant(request), False)
     return web.json_response({"id": sid, "pinned": pinned})
 
 
@@ -73,7 +71,7 @@ async def clear_cache(request: web.Request) -> web.Response:
     model = request.query.get("model")
     if model is not None and not model:
         raise ApiError(400, "model: empty; name a served model or leave it out", param="model")
-    freed = await request.app[ENGINE].session_admin.clear(model, caller_tenant(request))
+    freed = await request.app[ENGINE].clear(model, caller_tenant(request))
     return web.json_response({"deleted_entries": freed.entries, "freed_bytes": freed.bytes})
 
 

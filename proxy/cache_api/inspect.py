@@ -27,7 +27,8 @@ from aiohttp import web
 from engine_bridge.types import EngineError, GenerationRequest, conversation_id
 
 from ..dialects import anthropic as anthropic_api
-from ..dialects import openai as openai_api
+from ..dialects.openai import chat as chat_api
+from ..dialects.openai import completions as completions_api
 from ..errors import ApiError, Dialect, api_error, error_response
 from ..fields import parse_json_object, read_body
 from ..generation import Given, apply_model_settings, request_options
@@ -63,10 +64,10 @@ async def recent_requests(request: web.Request) -> web.Response:
                 f"limit: expected an integer from 1 to {REQUESTS_MAX}, got {raw!r}",
                 param="limit",
             )
-    log = request.app[ENGINE].request_log
-    records = log.recent(limit, visible_tenant(request))
+    engine = request.app[ENGINE]
+    records = engine.recent_requests(limit, visible_tenant(request))
     return web.json_response(
-        {"requests": [r.to_json() for r in records], "alert": log.alert_state()}
+        {"requests": [r.to_json() for r in records], "alert": engine.hit_ratio_alert()}
     )
 
 
@@ -106,9 +107,9 @@ def parse_request(
         req = anthropic_api.messages_request(body, request)
         given = anthropic_api.given(body)
     elif "messages" not in body and "prompt" in body:
-        req, given = openai_api.completion_request(body, request), Given.of(body)
+        req, given = completions_api.completion_request(body, request), Given.of(body)
     else:
-        req, given = openai_api.chat_request(body, request), Given.of(body)
+        req, given = chat_api.chat_request(body, request), Given.of(body)
     apply_model_settings(req, request, given)
     req.request_id = request.get(REQUEST_ID, "")
     if not req.session:

@@ -2,7 +2,7 @@
 
 Two sources, so nothing is counted twice:
 
-- per request, as the engine finishes it (`Engine.result_listeners`): counters and
+- per request, as the engine finishes it (`Engine.on_result`): counters and
   histograms labelled by model, tenant and cache source;
 - at scrape time, `EngineCollector` reads `Engine.stats()` and the session registry.
   `stats_families` walks every numeric field of the stats (the engine's stats dataclasses,
@@ -146,11 +146,11 @@ class EngineCollector(Collector):
         yield from stats_families(stats)
         if stats.get("shared") is not None:
             yield from shared_histograms(stats["shared"])
-        yield reason_metric(self.engine.request_log.reason_totals(), self.engine.has_model)
+        yield reason_metric(self.engine.miss_reasons(), self.engine.has_model)
         yield gauge(
             "hit_ratio_alert", "1 while the hit-ratio alert is on", int(bool(stats["alert"]))
         )
-        yield from session_metrics(self.engine.session_admin.records(), time.time())
+        yield from session_metrics(self.engine.session_records(), time.time())
 
 
 def stats_families(stats: dict) -> Iterator[Metric]:
@@ -244,9 +244,9 @@ def setup_metrics(app: web.Application) -> None:
     app[METRICS] = metrics = Metrics(engine, settings.tenant_api_keys.values(), proxy)
 
     async def listen(app: web.Application):
-        engine.result_listeners.append(metrics.requests.observe)
+        stop = engine.on_result(metrics.requests.observe)
         yield
-        engine.result_listeners.remove(metrics.requests.observe)
+        stop()
 
     app.cleanup_ctx.append(listen)
 

@@ -227,6 +227,39 @@ def test_the_engine_wings_keep_their_arrows():
     assert _reaching("engine_bridge.ops", ("engine_bridge.scheduling",)) == {}
 
 
+# Inside engine_bridge/, what each wing may import besides itself (docs/architecture.md):
+# the neutral leaves any wing may use, then each layer's lower ones.
+LEAVES = {"types", "engine_settings", "logctx"}
+BELOW = {
+    "types": set(),
+    "logctx": set(),
+    "engine_settings": {"cache"},  # the cache's own settings types (shared tier, policy)
+    "cache": set(),
+    "kv": {"cache"},
+    "prompting": set(),
+    "vision": {"prompting", "kv", "cache"},
+    "models": {"prompting", "vision", "kv", "cache"},
+    "scheduling": {"prompting", "models", "kv", "cache"},
+}
+
+
+def test_the_wings_inside_the_engine_import_only_downward():
+    def wing(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if parts[0] == "engine_bridge" and len(parts) > 1 else None
+
+    upward = {}
+    for m, targets in imports().items():
+        w = wing(m)
+        if w not in BELOW:
+            continue
+        allowed = BELOW[w] | {w} | (LEAVES if w not in LEAVES else set())
+        bad = sorted(t for t in targets if wing(t) is not None and wing(t) not in allowed)
+        if bad:
+            upward[m] = bad
+    assert upward == {}
+
+
 def test_validating_the_config_imports_no_mlx():
     """`serve --print-config`, `doctor` and config errors answer without loading MLX."""
     import subprocess

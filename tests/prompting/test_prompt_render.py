@@ -16,14 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.utils import load_tokenizer
 
+from engine_bridge.engine_settings import CLAUDE_CODE_BILLING_HEADER, NormalizationRule
 from engine_bridge.prompting import render as prompt
 from engine_bridge.prompting.prefix_memo import PrefixMemo
-from engine_bridge.prompting.render import (
-    CLAUDE_CODE_BILLING_HEADER,
-    NormalizationRule,
-    normalize_messages,
-    render_chat,
-)
+from engine_bridge.prompting.render import normalize_messages, render_chat
 from engine_bridge.types import EngineError, Message, ToolCall
 from tests.conftest import DEMO_IDS
 

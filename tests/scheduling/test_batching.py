@@ -218,7 +218,7 @@ def test_cancelling_one_member_frees_its_slot_and_leaves_the_others_unchanged(ma
             if got == 3:
                 break
         await victim.aclose()  # returns once the scheduler has let the sequence go
-        runner = await engine.runner(model)
+        runner = await engine.models.runner(model)
         # Cancels are reaped at the start of every step: the slot is free already.
         assert len(runner.running) + len(runner.prefilling) == 2
         assert runner.batch.size == 2
@@ -303,7 +303,7 @@ def test_sessions_take_turns_for_admission(make_engine):
 
     async def scenario():
         loop_ = asyncio.get_running_loop()
-        await engine.runner(model)
+        await engine.models.runner(model)
         flood = [
             _request(model, PROMPTS[i % 4], n=8, session="flood", request_id=f"a{i}")
             for i in range(4)
@@ -328,7 +328,7 @@ def test_a_short_request_decodes_during_a_long_cold_prefill(make_engine):
 
     async def scenario():
         loop_ = asyncio.get_running_loop()
-        await engine.runner(model)
+        await engine.models.runner(model)
         long = loop_.create_task(
             _collect(engine, _request(model, long_text, n=4, request_id="long"), order)
         )
@@ -347,7 +347,7 @@ def test_a_full_queue_answers_429_with_retry_after(make_engine):
     model = "demo-llama"
 
     async def scenario():
-        await engine.runner(model)
+        await engine.models.runner(model)
         first = await engine.start(_request(model, PROMPTS[0], n=2000))
         second = asyncio.get_running_loop().create_task(
             engine.start(_request(model, PROMPTS[1], n=4))
@@ -434,7 +434,7 @@ def test_sessions_that_start_together_compute_a_shared_prefix_once(make_engine, 
         )
 
     async def together():
-        await engine.runner(model_id)
+        await engine.models.runner(model_id)
         return await asyncio.gather(*[_collect(engine, req(i)) for i in range(3)])
 
     results = loop.run(together())
@@ -457,7 +457,7 @@ def test_long_prompts_prefill_in_admission_order_so_none_starves(make_engine):
 
     async def scenario():
         loop_ = asyncio.get_running_loop()
-        await engine.runner(model)
+        await engine.models.runner(model)
         a = loop_.create_task(_collect(engine, _request(model, first, n=2, request_id="a"), order))
         while engine.scheduler.stats.prefill_tokens == 0:
             await asyncio.sleep(0.001)

@@ -47,7 +47,7 @@ async def _lm_studio_unload(ref: ModelRef) -> None:
 
 
 def _both_first_loads(engine: Engine, sizes: dict[str, int]):
-    engine.preflight.machine = SimulatedMachine(engine, 32 * GB, 6 * GB, sizes)
+    engine.models.preflight.machine = SimulatedMachine(engine, 32 * GB, 6 * GB, sizes)
     engine.before_load = _lm_studio_unload
     both = asyncio.gather(
         _generate(engine, LLAMA), _generate(engine, HYBRID), return_exceptions=True
@@ -63,7 +63,7 @@ def test_two_first_loads_that_fit_neither_are_refused_not_deadlocked(demo_root, 
             # load first tries to unload the other model for room.
             outcomes = await _both_first_loads(engine, {LLAMA: 30 * GB, HYBRID: 30 * GB})
             # Nothing is left stuck behind them: the idle janitor, a later request.
-            janitor = await within(engine.unload_idle(0.0), "the idle janitor")
+            janitor = await within(engine.models.unload_idle(0.0), "the idle janitor")
             later = asyncio.gather(_generate(engine, LLAMA), return_exceptions=True)
             return outcomes, janitor, (await within(later, "a later request"))[0]
         finally:
@@ -82,8 +82,8 @@ def test_two_first_loads_that_fit_one_at_a_time_load_one_and_refuse_the_other(de
         try:
             # 14 GB each: either fits the 24.4 GB free, both do not.
             outcomes = await _both_first_loads(engine, {LLAMA: 14 * GB, HYBRID: 14 * GB})
-            loaded = [m for m in (LLAMA, HYBRID) if engine.loaded(m) is not None]
-            janitor = await within(engine.unload_idle(0.0), "the idle janitor")
+            loaded = [m for m in (LLAMA, HYBRID) if engine.models.loaded(m) is not None]
+            janitor = await within(engine.models.unload_idle(0.0), "the idle janitor")
             return outcomes, loaded, janitor
         finally:
             await engine.close()
@@ -117,10 +117,10 @@ def test_an_unload_while_a_request_renders_spares_its_model(demo_root, tmp_path,
             monkeypatch.setattr(engine.turns, "prepare", held)
             request = asyncio.ensure_future(_generate(engine, LLAMA))
             await within(rendering.wait(), "the render")
-            during = await within(engine.unload_idle(0.0), "the idle janitor")
+            during = await within(engine.models.unload_idle(0.0), "the idle janitor")
             release.set()
             text = await within(request, "the request")
-            after = await within(engine.unload_idle(0.0), "the idle janitor")
+            after = await within(engine.models.unload_idle(0.0), "the idle janitor")
             return during, text, after
         finally:
             release.set()

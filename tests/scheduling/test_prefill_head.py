@@ -82,8 +82,8 @@ def instrumented(demo_root, tmp_path_factory):
     log = Phases()
 
     async def setup():
-        loaded = await engine.load(QWEN36)
-        runner = await engine.runner(QWEN36)
+        runner = await engine.models.runner(QWEN36)
+        loaded = runner.loaded
         lm = loaded.model.language_model
         lm.lm_head = CountingHead(lm.lm_head, log)
         prefill, stats = runner._prefill, runner.scheduler.stats

@@ -68,8 +68,8 @@ def test_a_step_that_always_raises_fails_its_requests_once_and_others_go_on(engi
     loop, e = engine
 
     async def scenario():
-        broken = await e.runner(BROKEN)
-        await e.runner(OTHER)
+        broken = await e.models.runner(BROKEN)
+        await e.models.runner(OTHER)
         calls = break_decode(broken, after=2)
         other = asyncio.create_task(_tokens(e, _request(OTHER, 40)))
         stream = await e.start(_request(BROKEN, 40))
@@ -105,7 +105,7 @@ def test_a_failing_step_ends_the_waiting_requests_of_that_model_too(engine, capl
     loop, e = engine
 
     async def scenario():
-        broken = await e.runner(BROKEN)
+        broken = await e.models.runner(BROKEN)
         broken.max_batch = 1
         break_decode(broken, after=2)
         first = asyncio.create_task(_tokens(e, _request(BROKEN, 40)))

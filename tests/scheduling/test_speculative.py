@@ -83,7 +83,7 @@ async def _generate_seen(
 ) -> tuple[list[int], list[int], GenerationResult]:
     """The request's prompt token ids, its output token ids, and its result."""
     outs: dict[int, list[int]] = {}
-    _watch(await engine.runner(req.model), outs)
+    _watch(await engine.models.runner(req.model), outs)
     stream = await engine.start(req)
     async for _ in stream:
         pass
@@ -304,13 +304,13 @@ def test_an_output_rule_is_applied_at_each_verified_position_as_plain_decode_app
     still takes the token plain decode takes there, the rule consulted in order."""
     import collections
 
-    import engine_bridge.engine as engine_module
+    import engine_bridge.prepare as prepare_module
     from engine_bridge.scheduling.output_rules import OutputRule
 
     spec = engine.scheduler.settings.speculation
     rule: dict = {}
     # A fresh rule per request (a rule keeps its own state), built as `rule` says now.
-    monkeypatch.setattr(engine_module, "output_rule",
+    monkeypatch.setattr(prepare_module, "output_rule",
                         lambda *a, **kw: OutputRule(**rule) if rule else None)  # fmt: skip
     eos = 4089
 

@@ -268,7 +268,7 @@ def test_greedy_output_with_the_head_is_plain_decode(demo_root, tmp_path, model)
     stats = engine.scheduler.stats
 
     async def scenario():
-        loaded = await engine.load(model)
+        loaded = (await engine.models.runner(model)).loaded
         n = max(72, _n(model, 96))  # past the 64-token prefill chunk the head primes in
         plain, _ = await _generate(engine, _request(model, speculative=False, n=n, use_cache=False))
         seen = {}
@@ -335,7 +335,7 @@ def test_a_cache_hit_then_the_head_gives_what_plain_gives(demo_root, tmp_path, m
     async def two_turns(name: str, speculative: bool):
         engine = _engine(demo_root, tmp_path / name, models=(model,))
         try:
-            loaded = await engine.load(model)
+            loaded = (await engine.models.runner(model)).loaded
             made = _watch_drafters(engine, loaded)
             first, r1 = await _generate(engine, _request(model, 7, speculative, _n(model, 96)))
             follow = _request(model, 7, speculative, _n(model, 96))
@@ -361,8 +361,8 @@ def test_mtp_without_a_head_decodes_plainly(demo_root, tmp_path, caplog):
     stats = engine.scheduler.stats
 
     async def scenario():
-        llama = await engine.load("demo-llama")
-        hybrid = await engine.load(MODEL)
+        llama = (await engine.models.runner("demo-llama")).loaded
+        hybrid = (await engine.models.runner(MODEL)).loaded
         plain, _ = await _generate(engine, _request("demo-llama", speculative=False))
         rounds = stats.spec_rounds
         out, _ = await _generate(engine, _request("demo-llama"))

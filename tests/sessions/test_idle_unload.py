@@ -32,12 +32,12 @@ def test_idle_model_unloads_and_reload_keeps_cache_hits(demo_root, tmp_path):
         )
         try:
             first = await _generate(engine, "first question")
-            assert engine.loaded("demo-llama") is not None
-            assert await engine.unload_idle(3600.0) == []  # just used: stays loaded
-            assert await engine.unload_idle(0.0) == ["demo-llama"]
-            assert engine.loaded("demo-llama") is None
+            assert engine.models.loaded("demo-llama") is not None
+            assert await engine.models.unload_idle(3600.0) == []  # just used: stays loaded
+            assert await engine.models.unload_idle(0.0) == ["demo-llama"]
+            assert engine.models.loaded("demo-llama") is None
             second = await _generate(engine, "second question")
-            assert engine.loaded("demo-llama") is not None
+            assert engine.models.loaded("demo-llama") is not None
             return first, second
         finally:
             await engine.close()
@@ -61,11 +61,11 @@ def test_an_idle_unload_leaves_no_reference_to_the_model(demo_root):
         )
         try:
             await _generate(engine, "first question")
-            loaded = engine.loaded("demo-llama")
+            loaded = engine.models.loaded("demo-llama")
             refs = weakref.ref(loaded), weakref.ref(loaded.model)
             blocks = engine.tiers.ram.stats().blocks if hasattr(engine.tiers.ram, "stats") else None
             del loaded
-            assert await engine.unload_idle(0.0) == ["demo-llama"]
+            assert await engine.models.unload_idle(0.0) == ["demo-llama"]
             gc.collect()
             assert [r() for r in refs] == [None, None]
             if blocks is not None:

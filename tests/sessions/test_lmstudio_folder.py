@@ -373,11 +373,11 @@ def test_a_machine_without_room_refuses_it_naming_its_lm_studio_key(lms, tmp_pat
                 ram_budget_share=0.2,
             )
         )
-        machine = engine.preflight.machine = TightMac()
+        machine = engine.models.preflight.machine = TightMac()
         try:
             with pytest.raises(EngineError) as refused:
                 await engine.load(KEY)
-            return refused.value, machine.sized, engine.loaded(KEY)
+            return refused.value, machine.sized, engine.models.loaded(KEY)
         finally:
             await engine.close()
 

@@ -40,7 +40,7 @@ class SimulatedMachine(Machine):
         self.readings: list[RamReading] = []
 
     def ram(self) -> RamReading:
-        loaded = sum(s for m, s in self.sizes.items() if self.engine.loaded(m) is not None)
+        loaded = sum(s for m, s in self.sizes.items() if self.engine.models.loaded(m) is not None)
         reading = RamReading(self.total, self.total - self.others - loaded)
         self.readings.append(reading)
         return reading
@@ -108,7 +108,7 @@ def test_the_defaults_are_derived_after_the_weights(demo_root, tmp_path):
     async def scenario():
         engine = _engine(demo_root, tmp_path)
         machine = SimulatedMachine(engine, 32 * GB, 6 * GB, {"demo-llama": 20 * GB})
-        engine.preflight.machine = machine
+        engine.models.preflight.machine = machine
         try:
             await _generate(engine, "demo-llama")
             return engine.stats()["memory"], engine.tiers.ram.budget_bytes
@@ -124,18 +124,18 @@ def test_the_defaults_are_derived_after_the_weights(demo_root, tmp_path):
 
 
 def test_an_idle_model_is_unloaded_to_make_room(demo_root, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="engine_bridge.engine")
+    caplog.set_level(logging.INFO, logger="engine_bridge.served")
 
     async def scenario():
         engine = _engine(demo_root, tmp_path)
         sizes = {"demo-llama": 20 * GB, "demo-hybrid": 12 * GB}
-        engine.preflight.machine = SimulatedMachine(engine, 32 * GB, 6 * GB, sizes)
+        engine.models.preflight.machine = SimulatedMachine(engine, 32 * GB, 6 * GB, sizes)
         try:
             await _generate(engine, "demo-llama")
-            assert engine.loaded("demo-llama") is not None
+            assert engine.models.loaded("demo-llama") is not None
             # 6 GB free with demo-llama in; demo-hybrid needs 12 GB and more.
             await _generate(engine, "demo-hybrid")
-            return engine.loaded("demo-llama"), engine.loaded("demo-hybrid")
+            return engine.models.loaded("demo-llama"), engine.models.loaded("demo-hybrid")
         finally:
             await engine.close()
 
@@ -150,13 +150,13 @@ def test_a_load_that_does_not_fit_is_refused_naming_the_figures_and_the_setting(
 ):
     async def scenario():
         engine = _engine(demo_root, tmp_path, kv_memory_bytes=16 * GB)
-        engine.preflight.machine = SimulatedMachine(
+        engine.models.preflight.machine = SimulatedMachine(
             engine, 32 * GB, 6 * GB, {"demo-llama": 20 * GB}
         )
         try:
             with pytest.raises(EngineError) as refused:
                 await _generate(engine, "demo-llama")
-            return refused.value, engine.loaded("demo-llama")
+            return refused.value, engine.models.loaded("demo-llama")
         finally:
             await engine.close()
 
@@ -172,7 +172,7 @@ def test_a_load_that_does_not_fit_is_refused_naming_the_figures_and_the_setting(
 def test_weights_larger_than_the_machine_are_refused(demo_root, tmp_path):
     async def scenario():
         engine = _engine(demo_root, tmp_path)
-        engine.preflight.machine = SimulatedMachine(
+        engine.models.preflight.machine = SimulatedMachine(
             engine, 32 * GB, 6 * GB, {"demo-llama": 40 * GB}
         )
         try:
@@ -188,7 +188,9 @@ def test_weights_larger_than_the_machine_are_refused(demo_root, tmp_path):
 
 async def test_the_refusal_is_a_503_in_each_dialect(aiohttp_client, demo_root, tmp_path):
     engine = _engine(demo_root, tmp_path, kv_memory_bytes=16 * GB)
-    engine.preflight.machine = SimulatedMachine(engine, 32 * GB, 6 * GB, {"demo-llama": 20 * GB})
+    engine.models.preflight.machine = SimulatedMachine(
+        engine, 32 * GB, 6 * GB, {"demo-llama": 20 * GB}
+    )
     client = await aiohttp_client(
         create_app(engine, ProxySettings(), UpstreamConfig(enabled=False))
     )
@@ -206,4 +208,4 @@ async def test_the_refusal_is_a_503_in_each_dialect(aiohttp_client, demo_root, t
     assert refused.value.status_code == 503
     assert refused.value.body["error"]["type"] == "overloaded_error"
     assert "16.0 GB K/V budget" in refused.value.body["error"]["message"]
-    assert engine.loaded("demo-llama") is None
+    assert engine.models.loaded("demo-llama") is None

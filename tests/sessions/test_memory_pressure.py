@@ -82,7 +82,7 @@ def test_pressure_shrinks_the_ram_tier_to_ssd_and_answers_stay_equal(
 
         # Pressure over: the budget grows back, a quarter per check.
         for _ in range(4):
-            engine.memory.check(available=4 * total)
+            engine.models.memory.check(available=4 * total)
         assert engine.tiers.ram.stats().budget_bytes == budget
         assert not engine.stats()["memory"]["active"]
         # Nothing was lost: what RAM let go comes back from SSD, and equals bypass.
@@ -112,7 +112,7 @@ def test_a_shrink_evicts_to_ssd_when_the_tier_holds_more_than_the_shortfall(demo
         before = engine.tiers.ram.stats()
         # Pretend available memory is just under the floor by half of what the tier holds.
         engine.settings.ram_min_available_bytes = floor = 1 << 30
-        engine.memory.check(available=floor - before.bytes // 2)
+        engine.models.memory.check(available=floor - before.bytes // 2)
         after = engine.tiers.ram.stats()
         assert after.budget_bytes == before.bytes - before.bytes // 2
         assert 0 < after.bytes <= after.budget_bytes

@@ -114,7 +114,7 @@ class Driver:
     ) -> Outcome:
         if tokens is not None:  # token ids no text re-encodes to, e.g. a prompt plus output
             req = replace(req, prompt_tokens=list(tokens))
-        _spy_on_saves(await self.engine.runner(req.model), self._spies)
+        _spy_on_saves(await self.engine.models.runner(req.model), self._spies)
         spy = self._spies[id(req)] = _Spy(cancel_at)
         try:
             stream = await self.engine.start(req)
@@ -145,7 +145,7 @@ class Driver:
         )
 
     def has_snapshots(self, model: str) -> bool:
-        loaded = self.loop.run(self.engine.load(model))
+        loaded = self.loop.run(self.engine.models.runner(model)).loaded
         return kv.layout(make_prompt_cache(loaded.model)).has_snapshots
 
     def flush_ssd(self) -> None:

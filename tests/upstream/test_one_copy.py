@@ -196,7 +196,9 @@ class LmStudioBeside(Machine):
         self.engine, self.fake = engine, fake
 
     def ram(self) -> RamReading:
-        copies = bool(self.fake.loaded_instances(KEY)) + (self.engine.loaded(MODEL_ID) is not None)
+        copies = bool(self.fake.loaded_instances(KEY)) + (
+            self.engine.models.loaded(MODEL_ID) is not None
+        )
         return RamReading(32 * GB, 26 * GB - copies * 20 * GB)
 
     def weights(self, ref: ModelRef) -> int:
@@ -214,7 +216,7 @@ def _engine_beside(fake: FakeLmStudio, demo_root, tmp_path, lms_model, **upstrea
             ram_budget_share=0.2,
         )
     )
-    engine.preflight.machine = LmStudioBeside(engine, fake)
+    engine.models.preflight.machine = LmStudioBeside(engine, fake)
     config = Config(upstream=UpstreamConfig(url=fake.url, **upstream))
     engine.before_load = before_load_hook(config)
     return engine, config
@@ -251,4 +253,4 @@ async def test_without_the_unload_the_same_mac_refuses_the_second_copy(
         r = await client.post("/v1/chat/completions", json={**body, "max_tokens": 4})
         assert r.status == 503  # the preflight: two copies do not fit in 32 GB
         assert "not enough memory to load" in (await r.json())["error"]["message"]
-        assert fake.loaded_instances(KEY) == [KEY] and engine.loaded(MODEL_ID) is None
+        assert fake.loaded_instances(KEY) == [KEY] and engine.models.loaded(MODEL_ID) is None
