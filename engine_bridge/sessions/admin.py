@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..cache.session_registry import SessionKey, SessionRecord
 from ..models import loading as models
 from ..scheduling.jobs import Job
-from ..served import ServedModels
 from ..types import EngineError
 from .catalog import ClientSessions, Freed, SessionView
 from .prune import GoneEntries
@@ -31,6 +30,17 @@ SAVE_S = 5.0
 OnMlx = Callable[..., Awaitable[Any]]
 
 
+class Served(Protocol):
+    """What the session routes read of the engine's models (served.py's `ServedModels`):
+    passed in, so that this wing, below the model lifecycle, never imports it."""
+
+    def require(self, model_id: str) -> Any: ...  # an entry: its `ref`, its `runner` or None
+
+    def loaded(self) -> Iterator[models.LoadedModel]: ...
+
+    def live_jobs(self) -> list[tuple[str, Job]]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Deleted:
     id: str
@@ -39,7 +49,7 @@ class Deleted:
 
 
 class SessionAdmin:
-    def __init__(self, sessions: ClientSessions, on_mlx: OnMlx, served: ServedModels):
+    def __init__(self, sessions: ClientSessions, on_mlx: OnMlx, served: Served):
         self.sessions = sessions
         self.gone = GoneEntries(sessions)
         self._on_mlx = on_mlx

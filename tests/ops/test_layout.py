@@ -240,6 +240,8 @@ BELOW = {
     "vision": {"prompting", "kv", "cache"},
     "models": {"prompting", "vision", "kv", "cache"},
     "scheduling": {"prompting", "models", "kv", "cache"},
+    # Below the model lifecycle (served.py), which hands the session routes its table.
+    "sessions": {"scheduling", "prompting", "models", "vision", "kv", "cache"},
 }
 
 
