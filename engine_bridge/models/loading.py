@@ -23,6 +23,8 @@ from mlx_lm.utils import load as mlx_load
 from mlx_lm.utils import load_tokenizer
 
 from .. import kv
+from ..distributed.shard import NotShardable, load_split
+from ..distributed.world import ALONE, World
 from ..prompting.output_format import OutputFormat
 from ..prompting.prefix_memo import PrefixMemo
 from ..types import EngineError
@@ -133,13 +135,24 @@ def _id_for_path(path: Path, lmstudio_dirs: list[Path]) -> str:
     return path.name
 
 
-def load(ref: ModelRef) -> LoadedModel:
+def load(ref: ModelRef, world: World = ALONE) -> LoadedModel:
+    """Load `ref`; in a world of several ranks, only this rank's part of its weights."""
     start = time.perf_counter()
     config = json.loads((ref.path / "config.json").read_text(encoding="utf-8"))
     seeing = None
     if vision.can_load(config):
+        if not world.alone:
+            raise EngineError(
+                f"{ref.id} is a vision model, which runs on one rank only", status=503
+            )
         seeing, config = vision.load(ref.path)
         model, tokenizer = seeing, load_tokenizer(ref.path)
+    elif not world.alone:
+        try:
+            model, config = load_split(ref.path, world)
+        except NotShardable as e:
+            raise EngineError(f"{ref.id}: {e}", field="model", status=503) from e
+        tokenizer = load_tokenizer(ref.path, eos_token_ids=config.get("eos_token_id"))
     else:
         model, tokenizer, config = mlx_load(str(ref.path), return_config=True)
     load_s = time.perf_counter() - start
@@ -156,7 +169,10 @@ def load(ref: ModelRef) -> LoadedModel:
         vision=seeing,
         has_vision_tower=vision.has_vision_tower(config),
         output_format=OutputFormat.of(tokenizer, model=ref.id),
-        mtp=MTPSource(ref.path, config) if seeing is None and has_head(ref.path, config) else None,
+        # The MTP head is not split: a world of several ranks decodes without it.
+        mtp=MTPSource(ref.path, config)
+        if seeing is None and world.alone and has_head(ref.path, config)
+        else None,
     )
     log.info(
         "loaded model %s from %s in %.2fs (kind=%s, context=%d, fingerprint=%s, "

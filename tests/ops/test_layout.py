@@ -238,8 +238,9 @@ BELOW = {
     "kv": {"cache"},
     "prompting": set(),
     "vision": {"prompting", "kv", "cache"},
-    "models": {"prompting", "vision", "kv", "cache"},
-    "scheduling": {"prompting", "models", "kv", "cache"},
+    "distributed": set(),  # mx.distributed and mlx-lm's sharding, nothing of ours
+    "models": {"prompting", "vision", "kv", "cache", "distributed"},
+    "scheduling": {"prompting", "models", "kv", "cache", "distributed"},
     # Below the model lifecycle (served.py), which hands the session routes its table.
     "sessions": {"scheduling", "prompting", "models", "vision", "kv", "cache"},
 }

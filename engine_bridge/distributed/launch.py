@@ -1,0 +1,85 @@
+"""The `mlx.launch` command line that starts every rank of one model.
+
+`--ranks N` starts N ranks on this machine over loopback (the ring backend), for trying
+a split out and for tests; a hostfile (mlx.launch's JSON: each host's ssh name, its IPs
+for the ring backend, its RDMA devices for jaccl) starts one rank per host. MLX's own
+launcher does the rest: the ssh, the ports, each rank's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .world import Backend
+
+
+class LaunchError(ValueError):
+    """A hostfile or rank count that cannot start a world."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ranks:
+    """Where the ranks run: `count` on this machine, or one per host of `hostfile`."""
+
+    backend: Backend = Backend.RING
+    count: int | None = None
+    hostfile: Path | None = None
+
+    def size(self) -> int:
+        if self.hostfile is None:
+            return self.count or 1
+        return len(hosts(self.hostfile))
+
+
+def hosts(hostfile: Path) -> list[dict]:
+    """The hosts of an mlx.launch hostfile, checked enough to name what is wrong."""
+    try:
+        data = json.loads(hostfile.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise LaunchError(f"hostfile {hostfile}: {e.strerror or e}") from e
+    except json.JSONDecodeError as e:
+        raise LaunchError(f"hostfile {hostfile}: not JSON ({e})") from e
+    listed = data.get("hosts") if isinstance(data, dict) else data
+    if not isinstance(listed, list) or not listed:
+        raise LaunchError(f"hostfile {hostfile}: expected a list of hosts")
+    for i, h in enumerate(listed):
+        if not isinstance(h, dict) or not isinstance(h.get("ssh"), str):
+            raise LaunchError(f'hostfile {hostfile}: host {i} has no "ssh" name')
+    return listed
+
+
+def launcher() -> str:
+    """The `mlx.launch` beside this Python (its venv), else the one on PATH."""
+    beside = Path(sys.executable).with_name("mlx.launch")
+    found = str(beside) if beside.is_file() else shutil.which("mlx.launch")
+    if found is None:
+        raise LaunchError("mlx.launch was not found: install mlx (it ships the launcher)")
+    return found
+
+
+def command(ranks: Ranks, argv: list[str]) -> list[str]:
+    """The command that runs `argv` (a Python program's arguments) on every rank."""
+    if ranks.hostfile is None:
+        n = ranks.count or 1
+        if n < 2:
+            raise LaunchError(f"--ranks must be 2 or more, got {n}")
+        if ranks.backend != Backend.RING:
+            raise LaunchError("ranks on this machine talk over loopback: backend must be ring")
+        where = ["-n", str(n), "--hosts", "127.0.0.1"]
+    else:
+        hosts(ranks.hostfile)
+        where = ["--hostfile", str(ranks.hostfile)]
+    return [
+        launcher(),
+        "--backend",
+        str(ranks.backend),
+        *where,
+        "--python",
+        sys.executable,
+        "--",
+        *argv,
+    ]

@@ -1,0 +1,95 @@
+"""The ranks this process runs with, and the few ways they agree.
+
+Every rank runs the same model calls in the same order: a sharded layer's `all_sum` waits
+for every rank. So whatever decides a call (which requests run, how much the cache gives)
+is decided once and shared: rank 0 sends a decision (`share`), or every rank offers what
+it can do and all take the least (`least`). Each is one or two collectives, so both sides
+must reach it at the same point of their program.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, TypeVar
+
+import mlx.core as mx
+
+T = TypeVar("T")
+
+
+class Mode(StrEnum):
+    """How the model is split: by heads within each layer, or by layers."""
+
+    TENSOR = "tensor"  # model.shard(group): every rank holds its heads of every layer
+    PIPELINE = "pipeline"  # model.model.pipeline(group): every rank holds its own layers
+
+
+class Backend(StrEnum):
+    RING = "ring"  # TCP: Ethernet, Wi-Fi, Thunderbolt bridge, or loopback
+    JACCL = "jaccl"  # RDMA over Thunderbolt 5
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    """This process's place among the ranks; `size` 1 is a single process."""
+
+    group: Any  # mx.distributed.Group, or None alone
+    rank: int
+    size: int
+    mode: Mode = Mode.TENSOR
+
+    @property
+    def alone(self) -> bool:
+        return self.size <= 1
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: it answers HTTP and decides for every rank."""
+        return self.rank == 0
+
+    def share(self, obj: T | None) -> T | None:
+        """Rank 0's `obj`, on every rank (others pass None). Pickled: only plain data."""
+        if self.alone:
+            return obj
+        if self.leader:
+            data = pickle.dumps(obj)
+            # One collective at a time, in the followers' order: evaluated together, the
+            # two could be scheduled the other way round, and every rank would wait.
+            mx.eval(mx.distributed.all_sum(mx.array(len(data), dtype=mx.int32), group=self.group))
+            payload = mx.array(memoryview(data), dtype=mx.uint8)
+            mx.eval(mx.distributed.all_sum(payload, group=self.group))
+            return obj
+        size = mx.distributed.all_sum(mx.array(0, dtype=mx.int32), group=self.group).item()
+        payload = mx.distributed.all_sum(mx.zeros(int(size), dtype=mx.uint8), group=self.group)
+        return pickle.loads(bytes(memoryview(payload)))
+
+    def least(self, value: int) -> int:
+        """The smallest of every rank's `value`: what all of them can do."""
+        if self.alone:
+            return value
+        out = mx.distributed.all_min(mx.array(value, dtype=mx.int32), group=self.group)
+        return int(out.item())
+
+    def all_ok(self, ok: bool) -> bool:
+        """Whether every rank says `ok`."""
+        return self.least(1 if ok else 0) == 1
+
+
+ALONE = World(None, 0, 1)
+
+
+def join(mode: Mode | str = Mode.TENSOR) -> World:
+    """The world `mlx.launch` started this process in (its environment says which); a
+    process started alone is a world of one."""
+    if not _launched():
+        return ALONE
+    group = mx.distributed.init(strict=True)
+    return World(group, group.rank(), group.size(), Mode(mode))
+
+
+def _launched() -> bool:
+    # mlx.launch gives every rank its number (and the ring or jaccl backend its peers).
+    return "MLX_RANK" in os.environ
