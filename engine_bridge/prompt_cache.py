@@ -17,8 +17,6 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mlx_lm.models.cache import make_prompt_cache
-
 from . import kv
 from .cache.hashing import Chain, ExtraKeys
 from .cache.kinds import CheckpointReason, EntryKind, SavePoint
@@ -80,7 +78,7 @@ class ModelCache:
         self.tiers = tiers
         self.policy = policy
         self.sessions = sessions  # told what each client session stored and used
-        self.layout = kv.layout(make_prompt_cache(loaded.model))
+        self.layout = kv.layout(kv.make_prompt_cache(loaded.model))
         self.needs_checkpoint = self.layout.has_snapshots
 
     def extra_keys(self, tenant: str) -> ExtraKeys:
@@ -202,7 +200,7 @@ class CacheSession:
             ckpt_used = match.checkpoint
             self._note(match.length // self.bs, ckpt_used and (ckpt_used.key, ckpt_used.position))
             if match.length == 0:
-                return make_prompt_cache(model), 0, "none"
+                return kv.make_prompt_cache(model), 0, "none"
             ckpt = match.checkpoint.payload.payload if match.checkpoint is not None else None
             blocks = [b.payload.payload for b in match.blocks]
             cache = kv.restore(model, blocks, match.length, ckpt)

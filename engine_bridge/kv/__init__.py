@@ -5,6 +5,10 @@ going back after a speculative verify pass); `payloads` are what the cache manag
 (opaque to it beyond `nbytes`); `host` converts them for the SSD tier.
 """
 
+# The one door to mlx-lm's cache classes: the rest of the engine imports them from here,
+# so a new mlx-lm version is a change in kv/ (tests/ops/test_layout.py checks it).
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+
 from engine_bridge.kv.batch import Batch, batch_blocker, live_nbytes
 from engine_bridge.kv.caches import (
     CacheKind,
@@ -42,6 +46,7 @@ from engine_bridge.kv.rollback import Rewind, can_rewind
 
 __all__ = [
     "FORMAT",
+    "ArraysCache",
     "ArraysState",
     "Batch",
     "BlockPayload",
@@ -49,6 +54,7 @@ __all__ = [
     "CheckpointPayload",
     "DenseKV",
     "HostCodec",
+    "KVCache",
     "Kind",
     "Layout",
     "PagedKV",
@@ -66,6 +72,7 @@ __all__ = [
     "extract_checkpoint",
     "layout",
     "live_nbytes",
+    "make_prompt_cache",
     "payload_from_host",
     "payload_to_host",
     "quantize_block",

@@ -18,7 +18,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx_lm
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_load
 from mlx_lm.utils import load_tokenizer
 
@@ -238,6 +237,6 @@ def context_length(config: dict[str, Any]) -> int:
 def cache_kind(model: Any) -> kv.CacheKind:
     """From the cache classes mlx-lm gives the loaded model (kv.layout classifies them)."""
     try:
-        return kv.layout(make_prompt_cache(model)).cache_kind
+        return kv.layout(kv.make_prompt_cache(model)).cache_kind
     except kv.UnsupportedCacheError:
         return kv.CacheKind.UNKNOWN

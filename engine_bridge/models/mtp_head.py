@@ -37,9 +37,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 from mlx_lm.utils import infer_quant_config
+
+from ..kv import KVCache
 
 log = logging.getLogger("engine_bridge.models.mtp_head")
 

@@ -32,7 +32,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from .. import kv
 from ..cache.hashing import common_prefix
@@ -79,7 +78,7 @@ class Runner(Decoding):
         self._on_result = on_result
         # Told every finished sequence (the request log: why a request missed).
         self._on_done = on_done
-        blocker = kv.batch_blocker(make_prompt_cache(loaded.model))
+        blocker = kv.batch_blocker(kv.make_prompt_cache(loaded.model))
         if blocker is not None:
             log.warning("%s decodes one sequence at a time: %s", loaded.id, blocker)
         self.max_batch = 1 if blocker else scheduler.settings.max_batch
@@ -285,7 +284,7 @@ class Runner(Decoding):
                 seq.cache, seq.position, seq.source = seq.session.restore()
                 seq.restore_s = time.perf_counter() - t0
             else:
-                seq.cache = make_prompt_cache(self.loaded.model)
+                seq.cache = kv.make_prompt_cache(self.loaded.model)
             seq.cached = seq.position
             seq.stops = deque(self._prefill_stops(seq))
             seq.spec = self._speculation(job) if kv.can_rewind(seq.cache) else None

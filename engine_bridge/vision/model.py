@@ -97,7 +97,7 @@ class VisionModel:
     def make_cache(self) -> list[Any]:
         """mlx-lm's cache classes, which the cache tiers know: K/V for attention layers,
         ArraysCache (conv window and recurrent state) for Gated DeltaNet layers."""
-        from mlx_lm.models.cache import ArraysCache, KVCache
+        from ..kv import ArraysCache, KVCache
 
         if not self.hybrid:
             return [KVCache() for _ in self.layers]
@@ -177,8 +177,9 @@ class VisionModel:
 def _vlm_view(cache: list[Any]) -> list[Any]:
     """`cache` with each mlx-lm ArraysCache as mlx-vlm's (the same arrays), whose causal
     window and recurrent updates mlx-vlm's Gated DeltaNet layers call; K/V caches as is."""
-    from mlx_lm.models.cache import ArraysCache
     from mlx_vlm.models.cache import ArraysCache as VlmArraysCache
+
+    from ..kv import ArraysCache
 
     view = []
     for c in cache:
@@ -196,7 +197,7 @@ def _vlm_view(cache: list[Any]) -> list[Any]:
 
 def _write_back(cache: list[Any], view: list[Any]) -> None:
     """Carry the states a forward pass left in `view` back into the mlx-lm caches."""
-    from mlx_lm.models.cache import ArraysCache
+    from ..kv import ArraysCache
 
     for i, (c, v) in enumerate(zip(cache, view, strict=True)):
         if type(c) is ArraysCache:

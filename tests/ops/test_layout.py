@@ -263,6 +263,26 @@ def test_the_wings_inside_the_engine_import_only_downward():
     assert upward == {}
 
 
+def test_only_kv_imports_mlx_lms_cache_classes():
+    """mlx-lm's cache classes change shape between releases: a new version is a change in
+    kv/, which re-exports what the rest uses. The probes measure bare mlx-lm, as it is."""
+    cache_module = "mlx_lm.models.cache"
+    users = set()
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                named = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                named = [a.name for a in node.names]
+            else:
+                continue
+            if any(n == cache_module or n.startswith(cache_module + ".") for n in named):
+                users.add(name)
+    assert "engine_bridge.kv" in users  # the door itself: the reader sees the import
+    outside = {m for m in users if not m.startswith(("engine_bridge.kv", "engine_bridge.probes"))}
+    assert outside == set()
+
+
 def test_validating_the_config_imports_no_mlx():
     """`serve --print-config`, `doctor` and config errors answer without loading MLX."""
     import subprocess

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
+from ...kv import KVCache
 from ...models.mtp_head import MTPHead, MTPSource
 
 
