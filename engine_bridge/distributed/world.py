@@ -9,6 +9,7 @@ must reach it at the same point of their program.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 from dataclasses import dataclass
@@ -49,6 +50,20 @@ class World:
     def leader(self) -> bool:
         """Rank 0: it answers HTTP and decides for every rank."""
         return self.rank == 0
+
+    @property
+    def layout(self) -> str:
+        """Which part of a model this rank holds: "tensor 0/2" (heads), "pipeline 1/2"."""
+        return f"{self.mode} {self.rank}/{self.size}"
+
+    def fingerprint(self, whole: str) -> str:
+        """The cache's name for this rank's part of a model whose whole is `whole`: every
+        tier keys entries by it, so a slice is only ever restored into the same part of
+        the same split (the same rank of the same layout), never into a whole model or
+        another rank's. Alone, the whole model's name, unchanged."""
+        if self.alone:
+            return whole
+        return hashlib.sha256(f"{whole}\0{self.layout}".encode()).hexdigest()[:32]
 
     def share(self, obj: T | None) -> T | None:
         """Rank 0's `obj`, on every rank (others pass None). Pickled: only plain data."""

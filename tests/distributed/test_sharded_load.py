@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine_bridge.distributed.launch import LaunchError, Ranks, command
+from engine_bridge.distributed.world import ALONE, Mode, World
 from tests.conftest import QWEN36, REPO
 
 MODELS = ("demo-llama", "demo-hybrid", QWEN36)
@@ -47,6 +48,14 @@ def test_a_split_model_computes_what_the_whole_one_does(demo_root, tmp_path, mod
             # Each rank keeps only its part of the weights.
             assert s["weight_bytes"] < s["whole_weight_bytes"], (mode, model)
         assert seen[0]["tokens"] == seen[1]["tokens"]
+        # Each rank's slices are keyed apart from the other rank's and the whole model's.
+        prints = {s["fingerprint"] for s in seen} | {seen[0]["whole_fingerprint"]}
+        assert len(prints) == 3 and seen[0]["whole_fingerprint"] == seen[1]["whole_fingerprint"]
+        for rank, s in enumerate(seen):  # named by the layout, so tensor and pipeline differ too
+            part = World(None, rank, 2, Mode(mode))
+            assert s["fingerprint"] == part.fingerprint(s["whole_fingerprint"])
+            other = World(None, rank, 2, Mode.PIPELINE if mode == "tensor" else Mode.TENSOR)
+            assert s["fingerprint"] != other.fingerprint(s["whole_fingerprint"])
     # Rank 0's decision reaches every rank, and every rank gets the least of their offers.
     assert [r["shared"] for r in ranks] == [{"from": "rank 0", "models": list(MODELS)}] * 2
     assert [r["least"] for r in ranks] == [10, 10]
@@ -60,6 +69,11 @@ def test_a_model_mlx_lm_cannot_split_is_refused_with_its_name(demo_root, tmp_pat
         assert (
             "gemma3_text.Model cannot be split in tensor mode across 2 ranks" in refused["refused"]
         )
+
+
+def test_a_process_alone_keeps_the_whole_models_fingerprint():
+    """A single Mac's cache stays valid: only a split renames what it stores."""
+    assert ALONE.alone and ALONE.fingerprint("f" * 32) == "f" * 32
 
 
 def test_the_launcher_refuses_what_cannot_start_a_world(tmp_path):

@@ -66,6 +66,8 @@ def main() -> None:
             "tokens": tokens,
             "whole_tokens": want_tokens,
             "weight_bytes": _nbytes(split.model),
+            "fingerprint": split.fingerprint,
+            "whole_fingerprint": whole.fingerprint,
             "whole_weight_bytes": _nbytes(whole.model),
         }
     # A collective at the end: both ranks reached it, so neither left the other waiting.
