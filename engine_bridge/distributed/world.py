@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
@@ -87,6 +88,21 @@ class World:
             return value
         out = mx.distributed.all_min(mx.array(value, dtype=mx.int32), group=self.group)
         return int(out.item())
+
+    def deepest_common(self, positions: Sequence[int], limit: int = 64) -> int:
+        """The deepest position every rank can resume a prompt at, 0 if none: rank 0 offers
+        its `limit` deepest, each rank marks those it holds, and all keep the deepest one
+        every rank marked. A hybrid model resumes only at its checkpoints, and a rank that
+        lost one (a file gone, a smaller RAM share) must not leave the others ahead."""
+        if self.alone:
+            return max(positions, default=0)
+        offered = self.share(sorted(set(positions), reverse=True)[:limit] if self.leader else None)
+        held = set(positions)
+        # The same length on every rank (rank 0's list, or one 0 for an empty one).
+        marks = mx.array([int(p in held) for p in offered] or [0], dtype=mx.int32)
+        agreed = mx.distributed.all_min(marks, group=self.group).tolist()
+        # An empty offer sent one placeholder mark: zip stops at the offer.
+        return next((p for p, ok in zip(offered, agreed, strict=False) if ok), 0)
 
     def all_ok(self, ok: bool) -> bool:
         """Whether every rank says `ok`."""

@@ -59,6 +59,8 @@ def test_a_split_model_computes_what_the_whole_one_does(demo_root, tmp_path, mod
     # Rank 0's decision reaches every rank, and every rank gets the least of their offers.
     assert [r["shared"] for r in ranks] == [{"from": "rank 0", "models": list(MODELS)}] * 2
     assert [r["least"] for r in ranks] == [10, 10]
+    # Every rank resumes at the deepest point all of them hold, never one only some have.
+    assert [r["common"] for r in ranks] == [[192, 64, 0]] * 2
 
 
 def test_a_model_mlx_lm_cannot_split_is_refused_with_its_name(demo_root, tmp_path):

@@ -73,6 +73,13 @@ def main() -> None:
     # A collective at the end: both ranks reached it, so neither left the other waiting.
     report["shared"] = world.share({"from": "rank 0", "models": models} if world.leader else None)
     report["least"] = world.least(10 + world.rank)
+    # Resume points: rank 1 lost its checkpoint at 128, then every one past 64.
+    held = {0: [0, 64, 128, 192], 1: [0, 64, 192]}
+    report["common"] = [
+        world.deepest_common(held[world.rank]),
+        world.deepest_common([0, 64, 128, 192] if world.leader else [0, 64]),
+        world.deepest_common([] if world.leader else [64]),
+    ]
     (out_dir / f"rank{world.rank}.json").write_text(json.dumps(report), encoding="utf-8")
 
 
