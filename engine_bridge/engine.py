@@ -86,7 +86,8 @@ class Engine:
                 prefill_chunk=settings.prefill_chunk,
                 kv_memory_bytes=settings.kv_memory_bytes or default_kv_memory(settings),
                 speculation=settings.speculation,
-            )
+            ),
+            settings.world,
         )
         # One set of tiers for every model: the budget is the machine's, not a model's.
         self.tiers = _tiers(settings)
@@ -320,6 +321,13 @@ class Engine:
             "warm_ahead": self.warm_ahead.stats(),
             "reasoning_memo": asdict(self.turns.reasoning.stats()),
         }
+
+    def follow(self) -> None:
+        """On a rank other than 0: run rank 0's steps until it closes (lockstep.py)."""
+        world = self.settings.world
+        if world is None or world.leader:
+            raise RuntimeError("only a follower rank follows")
+        self.scheduler.join()
 
     async def close(self) -> None:
         await self.warm_ahead.close()

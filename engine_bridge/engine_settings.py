@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .cache.shared.config import (
     BYTES_BUCKETS,
@@ -200,3 +200,7 @@ class EngineSettings:
     warm_ahead: WarmAheadSettings = field(default_factory=lambda: WarmAheadSettings(enabled=False))
     # The reasoning generated per assistant turn, put back where a client drops it (bytes).
     reasoning_memo_bytes: int = 16 << 20
+    # The ranks one model is split across (a distributed.world.World); None: this process
+    # alone. Typed loosely: the world holds an mx.distributed group, and this module
+    # loads no mlx.
+    world: Any = None

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 from . import kv
 from .cache.tiers import TieredCache
+from .distributed.world import ALONE
 from .engine_settings import EngineSettings
 from .models import loading as models
 from .models.loading import LoadedModel, ModelRef
@@ -194,6 +195,21 @@ class ModelLifecycle:
         self._on_done = on_done
         # Awaited before idle models are unloaded to make room (a warm-up holds its model).
         self._before_room = before_room
+        # Across ranks, a load runs on every rank at the same step (scheduling/lockstep.py).
+        self.world = settings.world or ALONE
+        scheduler.handlers["load"] = self._load_here
+
+    def _load_here(self, ref: ModelRef) -> LoadedModel:
+        """This rank's part of `ref`, on the MLX thread. A follower rank also makes the
+        runner rank 0 is about to add, so that the add finds it."""
+        if self.world.alone:
+            return models.load(ref)
+        loaded = models.load(ref, self.world)
+        if not self.world.leader:
+            lockstep = self.scheduler.lockstep
+            assert lockstep is not None
+            lockstep.made[ref.id] = self._runner(loaded)
+        return loaded
 
     def loaded(self, model_id: str) -> LoadedModel | None:
         """`model_id`'s loaded model (tokenizer, weights, config); None while not loaded."""
@@ -222,19 +238,22 @@ class ModelLifecycle:
             await self.before_load(ref)
         if self.settings.memory_preflight:
             await self._make_room(ref)
-        loaded = await self.scheduler.run(models.load, ref)
+        loaded = await self.scheduler.run_shared("load", ref)
+        runner = self._runner(loaded)
+        self.scheduler.add(runner)
+        return runner
+
+    def _runner(self, loaded: LoadedModel) -> Runner:
         if loaded.vision is not None and self.settings.cache_enabled:
             features = loaded.vision.feature_cache
             features.bind(self.tiers.ram, self.tiers.ssd, loaded.fingerprint, self.tiers.shared)
-        runner = Runner(
+        return Runner(
             loaded,
             self.scheduler,
             self._session_factory(loaded),
             on_result=self._on_result,
             on_done=functools.partial(self._on_done, loaded),
         )
-        self.scheduler.add(runner)
-        return runner
 
     async def _make_room(self, ref: ModelRef) -> None:
         """Load only what fits: unload idle models for room, else refuse (preflight.py)."""

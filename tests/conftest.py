@@ -35,6 +35,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive free ports (a ring of ranks listens on one each)."""
+    while True:
+        first = free_port()
+        try:
+            for p in range(first, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+
+
 @pytest.fixture(scope="session")
 def demo_root(tmp_path_factory) -> Path:
     """A cache dir whose models/ holds the demo models, built once."""

@@ -28,6 +28,9 @@ class Ranks:
     backend: Backend = Backend.RING
     count: int | None = None
     hostfile: Path | None = None
+    # The first TCP port the ranks listen on (each rank one more); None: mlx.launch's
+    # default. Two worlds on one machine at once need ports apart.
+    port: int | None = None
 
     def size(self) -> int:
         if self.hostfile is None:
@@ -73,6 +76,8 @@ def command(ranks: Ranks, argv: list[str]) -> list[str]:
     else:
         hosts(ranks.hostfile)
         where = ["--hostfile", str(ranks.hostfile)]
+    if ranks.port is not None:
+        where += ["--starting-port", str(ranks.port)]
     return [
         launcher(),
         "--backend",

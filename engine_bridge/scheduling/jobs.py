@@ -26,7 +26,7 @@ class CacheSession(Protocol):
     ) -> None: ...
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class Job:
     request: GenerationRequest
     prompt: RenderedPrompt
@@ -34,6 +34,16 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     # Forced and banned tokens (tool_choice, the test hook); None for plain sampling.
     rule: OutputRule | None = None
+    # What the runner reads to stop the job. Alone, `cancel` itself; across ranks, set only
+    # where rank 0 shares the cancel with every rank (the top of a step), so that all of
+    # them stop it at the same step, whenever the client left.
+    halt: threading.Event | None = None
+    # Rank 0's number for the job, by which every rank names it (0 alone).
+    key: int = 0
+
+    def __post_init__(self) -> None:
+        if self.halt is None:
+            self.halt = self.cancel
 
 
 Event = PromptInfo | TokenEvent | GenerationResult

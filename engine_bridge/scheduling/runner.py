@@ -223,16 +223,16 @@ class Runner(Decoding):
 
     def _reap_cancelled(self) -> bool:
         worked = False
-        for p in self._waiting.remove_if(lambda p: p.job.cancel.is_set()):
+        for p in self._waiting.remove_if(lambda p: p.job.halt.is_set()):
             p.emit(None)
             worked = True
-        for s in [s for s in self.prefilling if s.job.cancel.is_set()]:
+        for s in [s for s in self.prefilling if s.job.halt.is_set()]:
             self.prefilling.remove(s)
             self._close(s, save=False)
             worked = True
-        if any(s.job.cancel.is_set() for s in self.running):
+        if any(s.job.halt.is_set() for s in self.running):
             self._settle()
-            rows = [i for i, s in enumerate(self.running) if s.job.cancel.is_set()]
+            rows = [i for i, s in enumerate(self.running) if s.job.halt.is_set()]
             if rows:
                 self._retire(rows)
             worked = True
@@ -379,7 +379,7 @@ class Runner(Decoding):
 
     def _end_prefill(self, seq: Seq) -> None:
         self.prefilling.remove(seq)
-        if seq.job.cancel.is_set():
+        if seq.job.halt.is_set():
             self._close(seq, save=False)
             return
         try:

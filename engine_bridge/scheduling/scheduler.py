@@ -11,11 +11,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..types import EngineError
 from .jobs import Failed, Pending
+from .lockstep import Lockstep
 from .speculation.control import SpeculativeSettings
+
+if TYPE_CHECKING:
+    from ..distributed.world import World
 
 
 class ModelQueue(Protocol):
@@ -127,8 +131,17 @@ class SchedulerStats:
 class Scheduler:
     """The MLX thread: runs submitted calls (loading, unloading) and the step loop."""
 
-    def __init__(self, settings: SchedulerSettings | None = None):
+    def __init__(self, settings: SchedulerSettings | None = None, world: World | None = None):
         self.settings = settings or SchedulerSettings()
+        # Across ranks, every step's operations are shared by rank 0 (lockstep.py).
+        self.lockstep = Lockstep(world) if world is not None and not world.alone else None
+        # What `run_shared` runs, by name: the model lifecycle sets them.
+        self.handlers: dict[str, Callable[..., Any]] = {}
+        if self.lockstep is not None:
+            self.lockstep.handlers = self.handlers
+        self._adds: deque[ModelQueue] = deque()
+        self._removes: deque[ModelQueue] = deque()
+        self._shared: deque[tuple[str, tuple, concurrent.futures.Future]] = deque()
         self.stats = SchedulerStats(
             max_batch=self.settings.max_batch,
             max_queue=self.settings.max_queue,
@@ -155,7 +168,7 @@ class Scheduler:
         with self._cond:
             if self._stopping:
                 raise EngineError(self._halted or "the server is shutting down", status=503)
-            if runner not in self._runners:
+            if runner not in self._runners and runner not in self._adds:
                 # Unloaded since the caller found it: queued there, the job would never run.
                 raise EngineError(f"{runner.model_id} was unloaded; retry", status=503)
             # Requests beyond the free batch slots of their model wait; at most max_queue
@@ -176,6 +189,8 @@ class Scheduler:
                     status=429,
                     retry_after_s=self._retry_after(queued),
                 )
+            if self.lockstep is not None:
+                self.lockstep.number(pending.job)
             self._inbox.append((runner, pending))
             self._cond.notify()
 
@@ -197,14 +212,41 @@ class Scheduler:
         with self._cond:
             self._cond.notify()
 
+    async def run_shared(self, name: str, *args: Any) -> Any:
+        """Run `handlers[name](*args)` on every rank at the same step (a model's load),
+        between steps; alone, on this one. Returns this rank's result."""
+        if self.lockstep is None:
+            return await self.run(self.handlers[name], *args)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._halted is not None or self._stopping:
+                raise RuntimeError(self._halted or "the scheduler has stopped")
+            self._shared.append((name, args, future))
+            self._cond.notify()
+        return await asyncio.wrap_future(future)
+
     def add(self, runner: ModelQueue) -> None:
         with self._cond:
-            self._runners.append(runner)
+            if self.lockstep is not None:
+                self._adds.append(runner)  # at the next step, on every rank
+                self._cond.notify()
+            else:
+                self._runners.append(runner)
 
     def remove(self, runner: ModelQueue) -> None:
         with self._cond:
-            if runner in self._runners:
+            if self.lockstep is not None:
+                if runner in self._adds:
+                    self._adds.remove(runner)
+                elif runner in self._runners:
+                    self._removes.append(runner)
+                    self._cond.notify()
+            elif runner in self._runners:
                 self._runners.remove(runner)
+
+    def join(self) -> None:
+        """Wait until the loop ends (a follower rank: until rank 0 closes)."""
+        self._thread.join()
 
     def close(self, timeout: float = 30.0) -> None:
         """Cancel everything admitted or waiting, let it save, and stop the thread."""
@@ -303,6 +345,8 @@ class Scheduler:
 
     def _iterate(self) -> bool:
         """One pass of the loop; False once stopping with nothing left to do."""
+        if self.lockstep is not None:
+            return self._iterate_lockstep()
         with self._cond:
             while not (self._calls or self._inbox or self._has_work() or self._stopping):
                 self._cond.wait()
@@ -327,6 +371,9 @@ class Scheduler:
                 pending.emit(Failed(self._ending(e)))
                 pending.emit(None)
         self.flush()
+        return self._step_all(runners)
+
+    def _step_all(self, runners: list[ModelQueue]) -> bool:
         worked = False
         # Models take turns starting the step, so none always goes first.
         self._turn = (self._turn + 1) % max(1, len(runners))
@@ -339,6 +386,71 @@ class Scheduler:
             with self._cond:
                 self._cond.wait(0.05)
         return True
+
+    def _iterate_lockstep(self) -> bool:
+        """One pass across ranks: rank 0 shares the step's operations, every rank applies
+        them in order, then steps the same runners (lockstep.py)."""
+        ls = self.lockstep
+        assert ls is not None
+        ops: list[tuple] = []
+        local: list[dict] = []
+        calls: deque = deque()
+        if ls.world.leader:
+            with self._cond:
+                while not (
+                    self._calls or self._inbox or self._adds or self._removes or self._shared
+                    or self._has_work() or self._stopping
+                ):  # fmt: skip
+                    self._cond.wait()
+                calls, self._calls = self._calls, deque()
+                inbox, self._inbox = self._inbox, deque()
+                # Left in `_adds` until applied below: `submit` meanwhile must still see
+                # the runner as on its way, not unloaded.
+                adds = list(self._adds)
+                removes, self._removes = self._removes, deque()
+                shared, self._shared = self._shared, deque()
+                done = self._stopping and not (calls or inbox or shared or self._has_work())
+            ops, local = ls.step(adds, removes, shared, inbox, done)
+            ls.share(ops)
+        else:
+            ops = ls.share(None)
+            local = [{} for _ in ops]
+            with self._cond:
+                calls, self._calls = self._calls, deque()
+        for fn, args, future in calls:  # this rank's own upkeep, never a model call
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:
+                    future.set_exception(self._ending(e))
+        for op, loc in zip(ops, local, strict=True):
+            if op[0] == "stop":
+                self.flush()
+                return False
+            self._apply(op, loc)
+        self.flush()
+        return self._step_all(list(self._runners))
+
+    def _apply(self, op: tuple, loc: dict) -> None:
+        ls = self.lockstep
+        assert ls is not None
+        future = loc.get("future")
+        try:
+            with self._cond:  # the runner list is read by `submit` on the event loop
+                ls.apply(op, self._runners, loc)
+                if op[0] == "add" and loc.get("runner") in self._adds:
+                    self._adds.remove(loc["runner"])
+        except BaseException as e:
+            log.exception("step operation %s failed", op[0])
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(self._ending(e))
+            pending = loc.get("pending")
+            if pending is not None:
+                pending.emit(Failed(self._ending(e)))
+                pending.emit(None)
+            return
+        if future is not None and future.set_running_or_notify_cancel():
+            future.set_result(loc.get("result"))
 
     def _step(self, runner: ModelQueue) -> bool:
         """One step of `runner`. A step that raises past the runner's own handlers (which
