@@ -355,12 +355,7 @@ class Scheduler:
             runners = list(self._runners)
             if self._stopping and not calls and not inbox and not self._has_work():
                 return False
-        for fn, args, future in calls:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as e:
-                    future.set_exception(self._ending(e))
+        self._run_calls(calls)
         for runner, pending in inbox:
             if self._stopping:
                 pending.job.cancel.set()
@@ -417,12 +412,7 @@ class Scheduler:
             local = [{} for _ in ops]
             with self._cond:
                 calls, self._calls = self._calls, deque()
-        for fn, args, future in calls:  # this rank's own upkeep, never a model call
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as e:
-                    future.set_exception(self._ending(e))
+        self._run_calls(calls)  # this rank's own upkeep, never a model call
         for op, loc in zip(ops, local, strict=True):
             if op[0] == "stop":
                 self.flush()
@@ -430,6 +420,15 @@ class Scheduler:
             self._apply(op, loc)
         self.flush()
         return self._step_all(list(self._runners))
+
+    def _run_calls(self, calls: deque) -> None:
+        """Run the queued `call`s, each future given its result or its error."""
+        for fn, args, future in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:
+                    future.set_exception(self._ending(e))
 
     def _apply(self, op: tuple, loc: dict) -> None:
         ls = self.lockstep
