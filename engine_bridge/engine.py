@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from . import cache_probe, kv
@@ -23,6 +25,7 @@ from .cache.session_registry import SessionRecord
 from .cache.ssd.store import SSDConfig, SSDStore
 from .cache.tiers import TieredCache
 from .cache.write_policy import SPARSE_PERIODIC_EVERY
+from .distributed.world import ALONE, World, join
 from .engine_settings import EngineSettings  # callers import it with Engine, from here
 from .models import discovery
 from .models import loading as models
@@ -62,7 +65,11 @@ class Engine:
     lifecycle and request preparation, and answers the proxy's calls by delegating."""
 
     def __init__(self, settings: EngineSettings):
+        if settings.world is None and settings.split_mode is not None:
+            # Started by mlx.launch as one rank of a split model: join the others.
+            settings = dataclasses.replace(settings, world=join(settings.split_mode))
         self.settings = settings
+        self.world: World = settings.world or ALONE
         heap.tune()  # glibc: MLX's buffers in mmapped chunks, not fragmenting the heap
         # Every tokenizer call runs on this one thread. Hugging Face tokenizers keep a BPE
         # word cache per thread, so on the shared pool each of its threads filled its own:
@@ -88,9 +95,10 @@ class Engine:
                 speculation=settings.speculation,
             ),
             settings.world,
+            settings.rank_deadline_s,
         )
         # One set of tiers for every model: the budget is the machine's, not a model's.
-        self.tiers = _tiers(settings)
+        self.tiers = _tiers(settings, self.cache_root)
         # Held-back checkpoint writes that come due between requests go out on the MLX thread.
         self.tiers.call_on_mlx = self.scheduler.call
         self.sessions = ClientSessions(
@@ -98,7 +106,7 @@ class Engine:
             pin_max_bytes=settings.pin_max_bytes or settings.ram_budget_bytes // 4,
             ttl_s=settings.session_ttl_s,
             # Kept across restarts with the SSD tier it describes.
-            store_dir=settings.cache_dir if self.tiers.ssd is not None else None,
+            store_dir=self.cache_root if self.tiers.ssd is not None else None,
         )
         self.models = ModelLifecycle(
             settings,
@@ -117,6 +125,23 @@ class Engine:
             ]
         for spec in specs or DEMO_MODEL_IDS:
             self.models.table.add(models.resolve(spec, settings.cache_dir, settings.lmstudio_dirs))
+
+    @property
+    def cache_root(self) -> Path:
+        """Where this process keeps its SSD tier and session records: the cache dir, or for
+        a rank past the first, `rank<N>` inside it (ranks that share a disk keep apart)."""
+        root, world = self.settings.cache_dir, self.world
+        return root if world.leader else root / f"rank{world.rank}"
+
+    def halted(self) -> str | None:
+        """Why the engine stopped for good (a rank of a split model lost: every request
+        answers 503 until the ranks are started again); None while it serves."""
+        return self.scheduler.halted
+
+    def ranks(self) -> dict[str, Any] | None:
+        """This process's place in a split model's world; None alone."""
+        w = self.world
+        return None if w.alone else {"rank": w.rank, "size": w.size, "mode": str(w.mode)}
 
     # -- which models are local -----------------------------------------------------------
 
@@ -339,13 +364,13 @@ class Engine:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _tiers(settings: EngineSettings) -> TieredCache:
+def _tiers(settings: EngineSettings, root: Path) -> TieredCache:
     """RAM, then SSD and the shared store where the settings turn them on."""
     ssd = None
     if settings.cache_enabled and settings.ssd_enabled:
         ssd = SSDStore(
             SSDConfig(
-                root=settings.cache_dir,
+                root=root,
                 max_bytes=settings.ssd_max_bytes,
                 ttl_s=settings.ssd_ttl_s,
                 queue_size=settings.ssd_queue_size,

@@ -204,3 +204,8 @@ class EngineSettings:
     # alone. Typed loosely: the world holds an mx.distributed group, and this module
     # loads no mlx.
     world: Any = None
+    # How to split each model when this process is one of several ranks mlx.launch started
+    # ("tensor" or "pipeline"): the engine joins their world. None: it never joins one.
+    split_mode: str | None = None
+    # Rank 0 ends the requests of a step the other ranks leave unanswered this long (503).
+    rank_deadline_s: float = 60.0

@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING, Any
 from . import kv
 from .cache.hashing import Chain, ExtraKeys
 from .cache.kinds import CheckpointReason, EntryKind, SavePoint
+from .cache.ram.matching import Match
 from .cache.session_registry import SessionKey
 from .cache.ssd.index import Scope
 from .cache.tier_reads import Below, Prefetched
 from .cache.tiers import Hit, TieredCache
+from .distributed.world import ALONE, World
 from .engine_settings import CachePolicy
 from .models.loading import LoadedModel
 from .scheduling.jobs import Job
@@ -36,6 +38,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("engine_bridge.prompt_cache")
 
+# Across ranks, how many times the ranks offer a shallower resume point before all of
+# them compute the whole prompt (in practice they agree at once: see `_agree`).
+AGREE_ROUNDS = 4
 # Text shown either side of a divergence: enough tokens to fill this many characters.
 _CONTEXT_CHARS = 40
 _CONTEXT_TOKENS = 24
@@ -73,8 +78,12 @@ class ModelCache:
         tiers: TieredCache,
         policy: CachePolicy,
         sessions: ClientSessions | None = None,
+        world: World = ALONE,
     ):
         self.loaded = loaded
+        # A split model: every rank holds its slice of each entry in its own tiers, under
+        # its own layout's fingerprint, and the ranks agree on where each request resumes.
+        self.world = world
         self.tiers = tiers
         self.policy = policy
         self.sessions = sessions  # told what each client session stored and used
@@ -194,6 +203,7 @@ class CacheSession:
         # the copy sits inside the `try`, since an entry left pinned is never evicted.
         match = self.tiers.pin(hit, promoted=promoted)
         try:
+            match = self._agree(match)
             self._adopt_features(features, match.length)
             self.lookup = self._report(hit, match.length, read)
             self._log_divergence(self.lookup)
@@ -209,6 +219,46 @@ class CacheSession:
                 self.tiers.ram.release(match)
         self._stored_blocks = match.length // self.bs
         return cache, match.length, source
+
+    def _agree(self, match: Match) -> Match:
+        """Where every rank resumes: the deepest position all of them restore.
+
+        Each rank looks up its own tiers: the same requests stored the same entries at the
+        same save points, so they nearly always agree at once. One that lost a slice (a
+        file gone, a write the disk refused, a different eviction) holds less, and then
+        every rank takes a shallower match of its own, so that no rank runs ahead of the
+        others with a state they lack. Each step is a collective, so every rank takes the
+        same branches. `match` is pinned (unless a miss); so is the one returned."""
+        world = self.owner.world
+        if world.alone:
+            return match
+        ram = self.tiers.ram
+        try:
+            for _ in range(AGREE_ROUNDS):
+                agreed = world.least(match.length)
+                if world.all_ok(match.length == agreed):
+                    return match
+                if match.length > agreed:
+                    if match.pinned:
+                        ram.release(match)
+                    # RAM now holds what promotion brought up: the capped chain's deepest
+                    # resume point within it, at `agreed` or shallower.
+                    capped = self.chain.prefix(agreed + 1)
+                    match = ram.match(
+                        capped, needs_checkpoint=self.owner.needs_checkpoint, pin=True
+                    )
+            agreed = world.least(match.length)
+            if world.all_ok(match.length == agreed):
+                return match
+        except BaseException:
+            if match.pinned:
+                ram.release(match)
+            raise
+        log.warning("the ranks found no common resume point in %d rounds; computing all "
+                    "%d tokens", AGREE_ROUNDS, len(self.chain))  # fmt: skip
+        if match.pinned:
+            ram.release(match)
+        return Match(0, (), 0, None, 0)
 
     def _report(self, hit: Hit, restored: int, read: Prefetched | None) -> LookupReport:
         prompt = self.job.prompt

@@ -276,7 +276,9 @@ class ModelLifecycle:
         if not self.settings.cache_enabled:
             return None
         try:
-            cache = ModelCache(loaded, self.tiers, self.settings.cache_policy, self.sessions)
+            cache = ModelCache(
+                loaded, self.tiers, self.settings.cache_policy, self.sessions, self.world
+            )
         except kv.UnsupportedCacheError as e:
             log.warning("prompt cache off for %s: %s", loaded.id, e)
             return None

@@ -144,6 +144,17 @@ class Chain:
         pending = self.tokens[done * self.block_size :]
         self.hashes += _hash_blocks(self.anchor(done), pending, self.block_size)
 
+    def prefix(self, n: int) -> Chain:
+        """The chain of the first `n` tokens, its hashes taken from this one's."""
+        out = Chain.__new__(Chain)
+        out.tokens, out.block_size, out.extra_keys = (
+            self.tokens[:n],
+            self.block_size,
+            self.extra_keys,
+        )
+        out.root, out.hashes = self.root, self.hashes[: n // self.block_size]
+        return out
+
     def anchor(self, block: int) -> BlockHash:
         """What positions inside block `block` hang from: the previous block's hash, or the root."""
         assert 0 <= block <= len(self.hashes), f"anchor of block {block} of {len(self.hashes)}"

@@ -112,6 +112,21 @@ class World:
 ALONE = World(None, 0, 1)
 
 
+class RankLost(RuntimeError):
+    """A link between the ranks broke, or a rank stopped answering: the world cannot take
+    another step together, and its requests end (503). The ranks are started again."""
+
+
+def link_failed(error: BaseException) -> bool:
+    """Whether `error` is MLX's distributed backend saying a link to a rank broke."""
+    return isinstance(error, RuntimeError) and str(error).startswith(("[ring]", "[jaccl]"))
+
+
+def peers(world: World) -> str:
+    """The ranks rank 0 waits on, named for an error: "rank 1", "one of ranks 1-3"."""
+    return "rank 1" if world.size == 2 else f"one of ranks 1-{world.size - 1}"
+
+
 def join(mode: Mode | str = Mode.TENSOR) -> World:
     """The world `mlx.launch` started this process in (its environment says which); a
     process started alone is a world of one."""

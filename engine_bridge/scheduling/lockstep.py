@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from weakref import WeakValueDictionary
 
-from .jobs import Job, Pending
+from ..distributed.world import RankLost, link_failed, peers
+from .jobs import Failed, Job, Pending
 
 if TYPE_CHECKING:
     from ..distributed.world import World
@@ -35,8 +38,14 @@ def _discard(event: object) -> None:
 class Lockstep:
     """Rank 0's side builds each step's operations; every side applies them."""
 
-    def __init__(self, world: World):
+    def __init__(self, world: World, deadline_s: float = 60.0):
         self.world = world
+        # Rank 0 gives up on a step the other ranks leave unanswered this long (a rank
+        # that hangs rather than dies: a dead one breaks the link at once).
+        self.deadline_s = deadline_s
+        # When this rank entered the step it is in (None between steps, and while a model
+        # loads, which takes as long as its weights take to read).
+        self.busy_since: float | None = None
         # Run on every rank for a shared call ("load" a model): the lifecycle sets them.
         self.handlers: dict[str, Callable[..., Any]] = {}
         # Runners a follower made for a loaded model, until rank 0 adds its own.
@@ -92,6 +101,36 @@ class Lockstep:
     def share(self, ops: list[Op] | None) -> list[Op]:
         return self.world.share(ops) or []
 
+    # -- a world that fell apart -----------------------------------------------------
+
+    def lost(self, error: Exception) -> Exception:
+        """`error`, or the `RankLost` it means when it is a broken link."""
+        if not link_failed(error):
+            return error
+        return RankLost(f"{self._who()} of the split model was lost ({error}); the ranks "
+                        "are being started again")  # fmt: skip
+
+    def fell_apart(self, error: Exception) -> RankLost:
+        """A failure outside any one request's handling: the ranks may no longer run the
+        same steps, so none can go on."""
+        lost = self.lost(error)
+        if isinstance(lost, RankLost):
+            return lost
+        log.error("the ranks fell out of step", exc_info=error)
+        return RankLost(f"the ranks fell out of step ({type(error).__name__}: {error}); the "
+                        "ranks are being started again")  # fmt: skip
+
+    def overdue(self) -> RankLost | None:
+        """A `RankLost` when this step has waited past the deadline (rank 0's watchdog)."""
+        since = self.busy_since
+        if since is None or time.monotonic() - since < self.deadline_s:
+            return None
+        return RankLost(f"{self._who()} of the split model stopped answering: a step waited "
+                        f"{self.deadline_s:.0f}s; the ranks are being started again")  # fmt: skip
+
+    def _who(self) -> str:
+        return peers(self.world) if self.world.leader else "rank 0"
+
     # -- every rank -------------------------------------------------------------------
 
     def apply(self, op: Op, runners: list[Any], local: dict[str, Any]) -> None:
@@ -124,3 +163,93 @@ class Lockstep:
                 job.halt.set()
         else:
             raise ValueError(f"unknown step operation {kind!r}")
+
+
+class LockstepLoop:
+    """The scheduler's pass across ranks (mixed into `scheduler.Scheduler`, whose state it
+    reads): rank 0 shares the step's operations, every rank applies them in order, then
+    steps the same runners. Rank 0 watches each step against the deadline."""
+
+    lockstep: Lockstep | None
+    _cond: threading.Condition
+
+    def _watch(self) -> None:
+        """Rank 0: end the requests of a step the other ranks leave unanswered (their
+        clients get a 503 naming the rank), rather than let every client hang with it."""
+        ls = self.lockstep
+        assert ls is not None
+        while self._halted is None and not (self._stopping and not self._thread.is_alive()):
+            time.sleep(min(1.0, ls.deadline_s / 10))
+            lost = ls.overdue()
+            if lost is not None:
+                log.error("%s", lost)
+                self._halt_cause = self._halt_cause or lost
+                self._halt(lost)  # the MLX thread is stuck in the step: this one ends it
+                return
+
+    def _iterate_lockstep(self) -> bool:
+        ls = self.lockstep
+        assert ls is not None
+        ops: list[Op] = []
+        local: list[dict] = []
+        calls: deque = deque()
+        if ls.world.leader:
+            with self._cond:
+                while not (
+                    self._calls or self._inbox or self._adds or self._removes or self._shared
+                    or self._has_work() or self._stopping
+                ):  # fmt: skip
+                    self._cond.wait()
+                calls, self._calls = self._calls, deque()
+                inbox, self._inbox = self._inbox, deque()
+                # Left in `_adds` until applied below: `submit` meanwhile must still see
+                # the runner as on its way, not unloaded.
+                adds = list(self._adds)
+                removes, self._removes = self._removes, deque()
+                shared, self._shared = self._shared, deque()
+                done = self._stopping and not (calls or inbox or shared or self._has_work())
+            ls.busy_since = time.monotonic()
+            ops, local = ls.step(adds, removes, shared, inbox, done)
+            ls.share(ops)
+        else:
+            ops = ls.share(None)
+            local = [{} for _ in ops]
+            with self._cond:
+                calls, self._calls = self._calls, deque()
+        self._run_calls(calls)  # this rank's own upkeep, never a model call
+        for op, loc in zip(ops, local, strict=True):
+            if op[0] == "stop":
+                ls.busy_since = None
+                self.flush()
+                return False
+            self._apply(op, loc)
+        self.flush()
+        worked = self._step_all(list(self._runners))
+        ls.busy_since = None
+        return worked
+
+    def _apply(self, op: Op, loc: dict) -> None:
+        ls = self.lockstep
+        assert ls is not None
+        future = loc.get("future")
+        try:
+            if op[0] == "call":  # a load: as long as its weights take, and outside the lock
+                since, ls.busy_since = ls.busy_since, None
+                ls.apply(op, self._runners, loc)
+                ls.busy_since = since and time.monotonic()
+            else:
+                with self._cond:  # the runner list is read by `submit` on the event loop
+                    ls.apply(op, self._runners, loc)
+                    if op[0] == "add" and loc.get("runner") in self._adds:
+                        self._adds.remove(loc["runner"])
+        except BaseException as e:
+            log.exception("step operation %s failed", op[0])
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(self._ending(e))
+            pending = loc.get("pending")
+            if pending is not None:
+                pending.emit(Failed(self._ending(e)))
+                pending.emit(None)
+            return
+        if future is not None and future.set_running_or_notify_cancel():
+            future.set_result(loc.get("result"))

@@ -246,7 +246,8 @@ class Runner(Decoding):
                 break  # every session's next request waits for a prefix being computed
             job = pending.job
             estimate = self.bytes_per_token * (len(job.prompt.tokens) + job.max_tokens)
-            if not self.scheduler.kv_room(int(estimate), idle=self.active == 0):
+            room = self.scheduler.kv_room(int(estimate), idle=self.active == 0)
+            if not self.scheduler.agree(room):
                 self.scheduler.stats.admission_waits += 1
                 self._waiting.push_front(job.request.tenant, lane(job.request), pending)
                 break
@@ -459,7 +460,7 @@ class Runner(Decoding):
     def _fail(self, seq: Seq, error: BaseException) -> None:
         log.exception("[%s] generation failed", seq.job.request.request_id, exc_info=error)
         seq.cache = []
-        seq.emit(Failed(error))
+        seq.emit(Failed(self.scheduler.ending(error)))
         seq.emit(None)
 
 

@@ -13,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..distributed.world import RankLost
 from ..types import EngineError
 from .jobs import Failed, Pending
-from .lockstep import Lockstep
+from .lockstep import Lockstep, LockstepLoop
 from .speculation.control import SpeculativeSettings
 
 if TYPE_CHECKING:
@@ -128,13 +129,21 @@ class SchedulerStats:
         }
 
 
-class Scheduler:
+class Scheduler(LockstepLoop):
     """The MLX thread: runs submitted calls (loading, unloading) and the step loop."""
 
-    def __init__(self, settings: SchedulerSettings | None = None, world: World | None = None):
+    def __init__(
+        self,
+        settings: SchedulerSettings | None = None,
+        world: World | None = None,
+        deadline_s: float = 60.0,
+    ):
         self.settings = settings or SchedulerSettings()
-        # Across ranks, every step's operations are shared by rank 0 (lockstep.py).
-        self.lockstep = Lockstep(world) if world is not None and not world.alone else None
+        # Across ranks, every step's operations are shared by rank 0 (lockstep.py), and
+        # rank 0 gives up on a step the others have not answered in `deadline_s`.
+        self.lockstep = (
+            Lockstep(world, deadline_s) if world is not None and not world.alone else None
+        )
         # What `run_shared` runs, by name: the model lifecycle sets them.
         self.handlers: dict[str, Callable[..., Any]] = {}
         if self.lockstep is not None:
@@ -161,6 +170,8 @@ class Scheduler:
         self._halted: str | None = None  # then, why new work is refused
         self._thread = threading.Thread(target=self._loop, name="mlx", daemon=True)
         self._thread.start()
+        if self.lockstep is not None and self.lockstep.world.leader:
+            threading.Thread(target=self._watch, name="rank-watchdog", daemon=True).start()
 
     # -- any thread ------------------------------------------------------------------------
 
@@ -280,6 +291,11 @@ class Scheduler:
             return True
         return self.stats.kv_bytes + estimate <= limit
 
+    def agree(self, ok: bool) -> bool:
+        """Across ranks, whether every rank says `ok` (a rank that holds more layers holds
+        more K/V); alone, `ok`. Every rank must ask at the same point of its step."""
+        return ok if self.lockstep is None else self.lockstep.world.all_ok(ok)
+
     def _retry_after(self, queued: int) -> float:
         # A rough time for the queue ahead to start: 64 decoded tokens each, at the rate
         # decode has run so far.
@@ -296,7 +312,12 @@ class Scheduler:
                     self.flush()
                     return
                 failures = 0
-            except Exception:
+            except Exception as e:
+                if self.lockstep is not None:
+                    # The ranks may have left step: none can go on (lockstep.py).
+                    self._halt_cause = self._halt_cause or self.lockstep.fell_apart(e)
+                    self._halt(self._halt_cause)
+                    return
                 # A bug outside the handlers of a call, a queued request and a step (each
                 # ends what it ran): the thread must outlive it, but while it repeats, log
                 # the 1st, 2nd, 4th, 8th... time, and back off rather than spin.
@@ -315,19 +336,37 @@ class Scheduler:
         KeyboardInterrupt, CancelledError) is an order, not a bug to retry: the loop halts
         after this pass, and the client gets a 503 rather than the stop re-raised on its
         event loop, where it would stop the server too."""
-        if isinstance(error, Exception):
+        if self.lockstep is not None and isinstance(error, Exception):
+            error = self.lockstep.lost(error)  # a broken link: the world must stop
+        if isinstance(error, Exception) and not isinstance(error, RankLost):
             return error
         self._halt_cause = self._halt_cause or error
         return EngineError(_halted_message(error), status=503)
 
+    def ending(self, error: BaseException) -> BaseException:
+        """What a request that failed with `error` ends with (the runner's failures)."""
+        return self._ending(error)
+
+    @property
+    def halted(self) -> str | None:
+        """Why the loop stopped on its own, for good (new work answers 503); None while it
+        runs or after a plain close."""
+        return self._halted
+
     def _halt(self, cause: BaseException) -> None:
-        """Stop for good after `cause`: end everything left with a 503, refuse new work."""
+        """Stop for good after `cause`: end everything left with a 503, refuse new work.
+        Once only: across ranks, rank 0's watchdog may halt while the thread is stuck."""
+        with self._cond:
+            if self._halted is not None:
+                return
+            self._halted = _halted_message(cause)
         log.error("scheduler stopped by %r; ending its requests", cause)
         with self._cond:
-            self._halted = _halted_message(cause)
             self._stopping = True
             calls, self._calls = self._calls, deque()
+            calls += self._shared  # (name, args, future): only the future is read here
             inbox, self._inbox = self._inbox, deque()
+            self._shared, self._adds = deque(), deque()
             runners = list(self._runners)
         failed = EngineError(self._halted, status=503)
         for _, _, future in calls:
@@ -382,45 +421,6 @@ class Scheduler:
                 self._cond.wait(0.05)
         return True
 
-    def _iterate_lockstep(self) -> bool:
-        """One pass across ranks: rank 0 shares the step's operations, every rank applies
-        them in order, then steps the same runners (lockstep.py)."""
-        ls = self.lockstep
-        assert ls is not None
-        ops: list[tuple] = []
-        local: list[dict] = []
-        calls: deque = deque()
-        if ls.world.leader:
-            with self._cond:
-                while not (
-                    self._calls or self._inbox or self._adds or self._removes or self._shared
-                    or self._has_work() or self._stopping
-                ):  # fmt: skip
-                    self._cond.wait()
-                calls, self._calls = self._calls, deque()
-                inbox, self._inbox = self._inbox, deque()
-                # Left in `_adds` until applied below: `submit` meanwhile must still see
-                # the runner as on its way, not unloaded.
-                adds = list(self._adds)
-                removes, self._removes = self._removes, deque()
-                shared, self._shared = self._shared, deque()
-                done = self._stopping and not (calls or inbox or shared or self._has_work())
-            ops, local = ls.step(adds, removes, shared, inbox, done)
-            ls.share(ops)
-        else:
-            ops = ls.share(None)
-            local = [{} for _ in ops]
-            with self._cond:
-                calls, self._calls = self._calls, deque()
-        self._run_calls(calls)  # this rank's own upkeep, never a model call
-        for op, loc in zip(ops, local, strict=True):
-            if op[0] == "stop":
-                self.flush()
-                return False
-            self._apply(op, loc)
-        self.flush()
-        return self._step_all(list(self._runners))
-
     def _run_calls(self, calls: deque) -> None:
         """Run the queued `call`s, each future given its result or its error."""
         for fn, args, future in calls:
@@ -429,27 +429,6 @@ class Scheduler:
                     future.set_result(fn(*args))
                 except BaseException as e:
                     future.set_exception(self._ending(e))
-
-    def _apply(self, op: tuple, loc: dict) -> None:
-        ls = self.lockstep
-        assert ls is not None
-        future = loc.get("future")
-        try:
-            with self._cond:  # the runner list is read by `submit` on the event loop
-                ls.apply(op, self._runners, loc)
-                if op[0] == "add" and loc.get("runner") in self._adds:
-                    self._adds.remove(loc["runner"])
-        except BaseException as e:
-            log.exception("step operation %s failed", op[0])
-            if future is not None and future.set_running_or_notify_cancel():
-                future.set_exception(self._ending(e))
-            pending = loc.get("pending")
-            if pending is not None:
-                pending.emit(Failed(self._ending(e)))
-                pending.emit(None)
-            return
-        if future is not None and future.set_running_or_notify_cancel():
-            future.set_result(loc.get("result"))
 
     def _step(self, runner: ModelQueue) -> bool:
         """One step of `runner`. A step that raises past the runner's own handlers (which
@@ -475,6 +454,8 @@ class Scheduler:
 
 
 def _halted_message(cause: BaseException) -> str:
+    if isinstance(cause, RankLost):
+        return str(cause)
     return f"the engine stopped: {type(cause).__name__} on the MLX thread"
 
 
