@@ -352,7 +352,14 @@ class Engine:
         world = self.settings.world
         if world is None or world.leader:
             raise RuntimeError("only a follower rank follows")
-        self.scheduler.join()
+        try:
+            self.scheduler.join()
+        finally:
+            # Rank 0 closed, the world was lost, or this process was told to stop (a
+            # signal raised here): what this rank's slices wrote is kept.
+            self.tiers.close(self.settings.ssd_drain_s)
+            self.sessions.close()
+            self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def close(self) -> None:
         await self.warm_ahead.close()

@@ -28,6 +28,11 @@ _WHERE = {
     "gb": ".models.preflight",
     "weights_bytes": ".models.preflight",
     "cpu_blas": ".ops.blas",
+    "LaunchError": ".distributed.launch",
+    "Ranks": ".distributed.launch",
+    "command": ".distributed.launch",
+    "first_host_is_here": ".distributed.launch",
+    "hosts": ".distributed.launch",
     "default_kwargs": ".prompting.template_flags",
 }
 

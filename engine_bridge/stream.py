@@ -7,7 +7,14 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from .prompting.output_format import OutputParser
-from .types import CacheSource, GenerationFailed, GenerationResult, PromptInfo, TokenEvent
+from .types import (
+    CacheSource,
+    EngineError,
+    GenerationFailed,
+    GenerationResult,
+    PromptInfo,
+    TokenEvent,
+)
 
 log = logging.getLogger("engine_bridge.stream")
 
@@ -64,6 +71,10 @@ class GenerationStream:
             event = await anext(self._events)
         except (StopAsyncIteration, asyncio.CancelledError, GenerationFailed):
             raise
+        except EngineError as e:
+            if e.status == 503:  # the engine stopped under it (a rank lost): retry later
+                raise
+            raise GenerationFailed(f"generation failed: {e}") from e
         except Exception as e:
             raise GenerationFailed(f"generation failed: {e}") from e
         if isinstance(event, GenerationResult):

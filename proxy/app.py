@@ -146,13 +146,16 @@ async def unknown_model(request: web.Request, body: bytes, model: str) -> web.St
 
 async def health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    return web.json_response(
-        {
-            "status": "ok",
-            "models": engine.model_ids,
-            "loaded": [m for m in engine.model_ids if engine.model_info(m).loaded],
-        }
-    )
+    body = {
+        "status": "ok",
+        "models": engine.model_ids,
+        "loaded": [m for m in engine.model_ids if engine.model_info(m).loaded],
+    }
+    if (ranks := engine.ranks()) is not None:
+        body["ranks"] = ranks
+    if (halted := engine.halted()) is not None:  # a split model that lost a rank
+        return web.json_response(body | {"status": "down", "reason": halted}, status=503)
+    return web.json_response(body)
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -8,10 +8,13 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
+from .ranks.supervisor import RANK_LOST_EXIT  # rank 0's exit once it lost the others
 
 log = logging.getLogger("proxy.cli")
 
@@ -59,6 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequences of one model decoded together (default 8)",
     )
     serve.add_argument(
+        "--ranks",
+        type=int,
+        metavar="N",
+        help="split each model across N processes on this machine (docs/distributed.md)",
+    )
+    serve.add_argument(
+        "--hostfile", type=Path, help="mlx.launch hostfile: split each model across its hosts"
+    )
+    serve.add_argument("--backend", choices=("ring", "jaccl"), help="link between the ranks")
+    serve.add_argument(
+        "--split", choices=("tensor", "pipeline"), help="split by heads (tensor) or by layers"
+    )
+    serve.add_argument(
         "--print-config", action="store_true", help="print the effective config as TOML and exit"
     )
     models = sub.add_parser("models", help="list models found in LM Studio's folders")
@@ -92,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        return serve(args)
+        return serve(args, argv)
     if args.command == "models":
         return list_models(args)
     if args.command == "cache":
@@ -242,10 +258,14 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "upstream.url": args.upstream,
         "cache.enabled": False if args.no_cache else None,
         "server.insecure": True if args.insecure else None,
+        "distributed.ranks": args.ranks,
+        "distributed.hostfile": str(args.hostfile) if args.hostfile else None,
+        "distributed.backend": args.backend,
+        "distributed.mode": args.split,
     }
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from .config.loader import check_exposure, config_to_toml
     from .config.schema import ConfigError
 
@@ -285,28 +305,65 @@ def serve(args: argparse.Namespace) -> int:
             'INSECURE: %s contains "*": web pages on any site can use this server',
             "server.cors_origins" if "*" in server.cors_origins else "server.allowed_hosts",
         )
+    split = config.distributed.ranks > 1 or config.distributed.hostfile is not None
+    if split and not launched_rank():
+        # This process is the front: it starts the ranks and relays to rank 0.
+        from .ranks.front import serve_front
+
+        return serve_front(config, argv or sys.argv[1:], policy)
     from engine_bridge.engine import Engine
     from engine_bridge.types import EngineError
 
     try:
-        engine = Engine(engine_settings(config))
+        engine = Engine(engine_settings(config, rank=split))
     except EngineError as e:
         print(f"mlx-prompt-cache: {e.message}", file=sys.stderr)
         return 2
+    ranks = engine.ranks()
+    if ranks is not None and ranks["rank"] != 0:
+        return follow(engine, ranks)
     engine.before_load = before_load_hook(config)
     from engine_bridge.offline import cpu_blas
 
     if (advice := cpu_blas().advice()) is not None:  # Linux on mlx[cpu] only
         log.warning("%s", advice)
     app = create_app(engine, proxy_settings(config), config.upstream, policy)
-    asyncio.run(_run(app, config.server.host, config.server.port))
+    halted = engine.halted if ranks is not None else None
+    asyncio.run(_run(app, config.server.host, config.server.port, halted))
+    # Rank 0 that lost the other ranks says so to the front, which starts them again.
+    _exit(RANK_LOST_EXIT if ranks is not None and engine.halted() else 0)
+
+
+def launched_rank() -> bool:
+    """Whether mlx.launch started this process as one rank of a split model."""
+    return "MLX_RANK" in os.environ
+
+
+def follow(engine: Any, ranks: dict) -> int:
+    """A rank past the first: no HTTP, only rank 0's steps, until rank 0 ends (or a stop,
+    which keeps what this rank's slices wrote to its SSD tier)."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    log.info("rank %d of %d (%s) follows rank 0", ranks["rank"], ranks["size"], ranks["mode"])
+    try:
+        engine.follow()
+    except SystemExit:
+        log.info("rank %d stopped", ranks["rank"])
+    _exit(0)
+    return 0
+
+
+def _exit(code: int) -> None:
     # Everything is drained and closed by now. Skip interpreter finalization: MLX frees a
     # finished generation thread's thread-local state late, and when that races the
     # interpreter's teardown the process aborts (SIGABRT) after a clean shutdown.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _effective_model_settings(config: Any) -> str:
@@ -323,7 +380,9 @@ def _effective_model_settings(config: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def _run(app: web.Application, host: str, port: int) -> None:
+async def _run(
+    app: web.Application, host: str, port: int, halted: Callable[[], str | None] | None = None
+) -> None:
     # handler_cancellation: a client that disconnects cancels its handler, which cancels
     # its generation within one decode step.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=10.0)
@@ -336,9 +395,22 @@ async def _run(app: web.Application, host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    watch = asyncio.create_task(_watch_ranks(halted, stop)) if halted is not None else None
     await stop.wait()
+    if watch is not None:
+        watch.cancel()
     log.info("shutting down")
     await runner.cleanup()
+
+
+async def _watch_ranks(halted: Callable[[], str | None], stop: asyncio.Event) -> None:
+    """Rank 0: once the engine lost the other ranks (its requests already answered 503),
+    shut down, so that the front starts every rank again."""
+    while (reason := halted()) is None:
+        await asyncio.sleep(0.25)
+    log.error("%s; rank 0 is shutting down", reason)
+    await asyncio.sleep(1.0)  # the 503s go out first
+    stop.set()
 
 
 if __name__ == "__main__":

@@ -46,7 +46,9 @@ def normalization_rules(config: Config) -> list[NormalizationRule]:
     return rules
 
 
-def engine_settings(config: Config) -> EngineSettings:
+def engine_settings(config: Config, rank: bool = False) -> EngineSettings:
+    """`rank`: this process is one rank of a split model ([distributed]), started by the
+    front through mlx.launch: the engine joins the other ranks."""
     cache = config.cache
     engine = config.engine
     ram = psutil.virtual_memory()
@@ -106,6 +108,8 @@ def engine_settings(config: Config) -> EngineSettings:
             max_ram_share=cache.warm_ahead.max_ram_share,
             after_idle_s=cache.warm_ahead.after_idle,
         ),
+        split_mode=config.distributed.mode if rank else None,
+        rank_deadline_s=parse_duration(config.distributed.deadline),
         vision_limits=VisionLimits(
             max_image_bytes=parse_size(config.vision.max_image_size),
             max_image_pixels=config.vision.max_image_pixels,

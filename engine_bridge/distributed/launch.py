@@ -4,17 +4,22 @@
 a split out and for tests; a hostfile (mlx.launch's JSON: each host's ssh name, its IPs
 for the ring backend, its RDMA devices for jaccl) starts one rank per host. MLX's own
 launcher does the rest: the ssh, the ports, each rank's environment.
+
+It loads no MLX: the proxy's front process, which starts the ranks and relays to rank 0,
+imports it through `engine_bridge.offline`.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .world import Backend
+BACKENDS = ("ring", "jaccl")  # world.Backend's values
 
 
 class LaunchError(ValueError):
@@ -25,7 +30,7 @@ class LaunchError(ValueError):
 class Ranks:
     """Where the ranks run: `count` on this machine, or one per host of `hostfile`."""
 
-    backend: Backend = Backend.RING
+    backend: str = "ring"
     count: int | None = None
     hostfile: Path | None = None
     # The first TCP port the ranks listen on (each rank one more); None: mlx.launch's
@@ -64,13 +69,31 @@ def launcher() -> str:
     return found
 
 
-def command(ranks: Ranks, argv: list[str]) -> list[str]:
-    """The command that runs `argv` (a Python program's arguments) on every rank."""
+def first_host_is_here(hostfile: Path) -> bool:
+    """Whether the hostfile's first host (rank 0, which answers HTTP) is this machine."""
+    first = hosts(hostfile)[0]
+    names = {first["ssh"].split("@")[-1], *first.get("ips", [])}
+    here = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
+    here |= {f"{h}.local" for h in list(here)}
+    try:
+        import psutil
+
+        here |= {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+    except ImportError:  # pragma: no cover - psutil is a base dependency
+        pass
+    return bool(names & here)
+
+
+def command(ranks: Ranks, argv: list[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """The command that runs `argv` (a Python program's arguments) on every rank, with
+    `env` set on each (a remote host sees only what mlx.launch passes it)."""
+    if ranks.backend not in BACKENDS:
+        raise LaunchError(f"backend must be one of {', '.join(BACKENDS)}, got {ranks.backend!r}")
     if ranks.hostfile is None:
         n = ranks.count or 1
         if n < 2:
             raise LaunchError(f"--ranks must be 2 or more, got {n}")
-        if ranks.backend != Backend.RING:
+        if ranks.backend != "ring":
             raise LaunchError("ranks on this machine talk over loopback: backend must be ring")
         where = ["-n", str(n), "--hosts", "127.0.0.1"]
     else:
@@ -78,6 +101,8 @@ def command(ranks: Ranks, argv: list[str]) -> list[str]:
         where = ["--hostfile", str(ranks.hostfile)]
     if ranks.port is not None:
         where += ["--starting-port", str(ranks.port)]
+    for key, value in (env or {}).items():
+        where += ["--env", f"{key}={value}"]
     return [
         launcher(),
         "--backend",

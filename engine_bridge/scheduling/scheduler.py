@@ -268,7 +268,8 @@ class Scheduler(LockstepLoop):
             for _, p in self._inbox:
                 p.job.cancel.set()
             self._cond.notify()
-        self._thread.join(timeout)
+        # Halted on a lost rank, the thread may be stuck in a step the others never answer.
+        self._thread.join(min(timeout, 2.0) if self._halted else timeout)
 
     def post(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None], arg: Any) -> None:
         """Queue `fn(arg)` to run on `loop` at the next `flush` (MLX thread only)."""

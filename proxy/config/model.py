@@ -208,6 +208,22 @@ class VisionConfig:
 
 
 @dataclass(slots=True)
+class DistributedConfig:
+    # One model split across several processes (docs/distributed.md): `ranks` of them on
+    # this machine over loopback (to try a split out), or one per host of `hostfile`
+    # (mlx.launch's JSON, this machine first). 0 or 1 ranks and no hostfile: one process.
+    ranks: int = 0
+    hostfile: str | None = None
+    backend: str = "ring"  # "ring" (TCP: Ethernet, Thunderbolt bridge) or "jaccl" (RDMA)
+    mode: str = "tensor"  # "tensor": every rank holds its heads; "pipeline": its layers
+    # The first TCP port of the links between the ranks (each rank one more); None: 32323.
+    port: int | None = None
+    # A step the other ranks leave unanswered this long ends its requests with a 503, and
+    # the ranks are started again ("60s", "2m" or seconds).
+    deadline: str | float = "60s"
+
+
+@dataclass(slots=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
@@ -217,6 +233,7 @@ class Config:
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
     normalization: NormalizationConfig = field(default_factory=NormalizationConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     # [model."<pattern>"] sections: per-model sampling defaults and template kwargs,
     # keyed by model id, LM Studio key or a glob over either (config/model_settings.py).
     model: dict[str, ModelSettings] = field(default_factory=dict)

@@ -144,6 +144,18 @@ def validate(config: Config, origins: Origins) -> None:
     parses("cache.ssd.checkpoint_write_delay", parse_duration, c.ssd.checkpoint_write_delay)
     validate_shared(c.shared, check, parses)
     check("tenants.header", bool(config.tenants.header.strip()), "must not be empty")
+    d = config.distributed
+    check("distributed.ranks", 0 <= d.ranks <= 64, f"must be 0 to 64, got {d.ranks}")
+    check("distributed.backend", d.backend in ("ring", "jaccl"),
+          f'must be "ring" or "jaccl", got {d.backend!r}')  # fmt: skip
+    check("distributed.mode", d.mode in ("tensor", "pipeline"),
+          f'must be "tensor" or "pipeline", got {d.mode!r}')  # fmt: skip
+    check("distributed.hostfile", not (d.hostfile and d.ranks > 1),
+          "give ranks (this machine) or a hostfile (one rank per host), not both")  # fmt: skip
+    if d.port is not None:
+        check("distributed.port", 1024 <= d.port <= 65000, f"must be 1024 to 65000, got {d.port}")
+    parses("distributed.deadline", parse_duration, d.deadline)
+    check("distributed.deadline", parse_duration(d.deadline) >= 1, "must be at least 1s")
     for i, rule in enumerate(config.normalization.rules):
         path = ("normalization", "rules", i)
         try:
