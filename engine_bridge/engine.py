@@ -46,6 +46,7 @@ from .stream import GenerationStream
 from .turns import Turns
 from .types import (
     EngineError,
+    EngineHalted,
     GenerationFailed,
     GenerationRequest,
     GenerationResult,
@@ -232,7 +233,12 @@ class Engine:
 
     async def janitor(self) -> None:
         """Background upkeep while serving: memory, idle models, idle sessions."""
-        await asyncio.gather(self.models.janitor(), self._session_admin.upkeep())
+        try:
+            await asyncio.gather(self.models.janitor(), self._session_admin.upkeep())
+        except (EngineHalted, EngineError) as e:
+            if self.halted() is None:
+                raise
+            log.warning("upkeep stops: %s", e)  # the engine stopped for good
 
     # -- a request's one way in -----------------------------------------------------------
 

@@ -32,6 +32,11 @@ MissReason = Literal[
 FinishReason = Literal["stop", "length", "stop_string", "cancelled"]
 
 
+class EngineHalted(RuntimeError):
+    """Work offered to an engine that stopped for good (its MLX thread halted, or a split
+    model lost a rank): the message says why."""
+
+
 class EngineError(Exception):
     """A request the engine refuses before generating (a client's mistake, or no room).
 

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Op = tuple[Any, ...]
+# While the server shuts down, the longest a step may wait on the other ranks: a lost rank
+# must not hold rank 0's shutdown (and the SSD writes it drains) for the whole deadline.
+STOP_DEADLINE_S = 5.0
 
 
 def _discard(event: object) -> None:
@@ -120,10 +123,12 @@ class Lockstep:
         return RankLost(f"the ranks fell out of step ({type(error).__name__}: {error}); the "
                         "ranks are being started again")  # fmt: skip
 
-    def overdue(self) -> RankLost | None:
-        """A `RankLost` when this step has waited past the deadline (rank 0's watchdog)."""
+    def overdue(self, stopping: bool = False) -> RankLost | None:
+        """A `RankLost` when this step has waited past the deadline (rank 0's watchdog);
+        `stopping` (the server shuts down) gives a step at most STOP_DEADLINE_S."""
         since = self.busy_since
-        if since is None or time.monotonic() - since < self.deadline_s:
+        deadline = min(self.deadline_s, STOP_DEADLINE_S) if stopping else self.deadline_s
+        if since is None or time.monotonic() - since < deadline:
             return None
         return RankLost(f"{self._who()} of the split model stopped answering: a step waited "
                         f"{self.deadline_s:.0f}s; the ranks are being started again")  # fmt: skip
@@ -172,6 +177,8 @@ class LockstepLoop:
 
     lockstep: Lockstep | None
     _cond: threading.Condition
+    # Rank 0's objects of the step being shared (each op's future or pending request).
+    _taken: list[dict] = []
 
     def _watch(self) -> None:
         """Rank 0: end the requests of a step the other ranks leave unanswered (their
@@ -180,7 +187,7 @@ class LockstepLoop:
         assert ls is not None
         while self._halted is None and not (self._stopping and not self._thread.is_alive()):
             time.sleep(min(1.0, ls.deadline_s / 10))
-            lost = ls.overdue()
+            lost = ls.overdue(self._stopping)
             if lost is not None:
                 log.error("%s", lost)
                 self._halt_cause = self._halt_cause or lost
@@ -208,15 +215,21 @@ class LockstepLoop:
                 removes, self._removes = self._removes, deque()
                 shared, self._shared = self._shared, deque()
                 done = self._stopping and not (calls or inbox or shared or self._has_work())
+            # This rank's own upkeep, never a model call: before the step's collectives,
+            # so that a rank that never answers them cannot hold a call's caller too.
+            self._run_calls(calls)
             ls.busy_since = time.monotonic()
             ops, local = ls.step(adds, removes, shared, inbox, done)
+            # Out of the queues and not yet applied: a halt meanwhile must end them too.
+            self._taken = local
             ls.share(ops)
         else:
-            ops = ls.share(None)
-            local = [{} for _ in ops]
             with self._cond:
                 calls, self._calls = self._calls, deque()
-        self._run_calls(calls)  # this rank's own upkeep, never a model call
+            self._run_calls(calls)
+            ops = ls.share(None)
+            local = [{} for _ in ops]
+        self._taken = []
         for op, loc in zip(ops, local, strict=True):
             if op[0] == "stop":
                 ls.busy_since = None

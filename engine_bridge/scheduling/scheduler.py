@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..distributed.world import RankLost
-from ..types import EngineError
+from ..types import EngineError, EngineHalted
 from .jobs import Failed, Pending
 from .lockstep import Lockstep, LockstepLoop
 from .speculation.control import SpeculativeSettings
@@ -211,7 +211,7 @@ class Scheduler(LockstepLoop):
         with self._cond:
             # Once halted, also while the thread is still ending what was queued.
             if self._halted is not None or (self._stopping and not self._thread.is_alive()):
-                raise RuntimeError(self._halted or "the scheduler has stopped")
+                raise EngineHalted(self._halted or "the scheduler has stopped")
             self._calls.append((fn, args, future))
             self._cond.notify()
         return future
@@ -231,7 +231,7 @@ class Scheduler(LockstepLoop):
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._halted is not None or self._stopping:
-                raise RuntimeError(self._halted or "the scheduler has stopped")
+                raise EngineHalted(self._halted or "the scheduler has stopped")
             self._shared.append((name, args, future))
             self._cond.notify()
         return await asyncio.wrap_future(future)
@@ -369,7 +369,10 @@ class Scheduler(LockstepLoop):
             inbox, self._inbox = self._inbox, deque()
             self._shared, self._adds = deque(), deque()
             runners = list(self._runners)
+            taken, self._taken = self._taken, []  # a lockstep pass stuck in its share
         failed = EngineError(self._halted, status=503)
+        calls += [(None, (), t["future"]) for t in taken if "future" in t]
+        inbox += [(None, t["pending"]) for t in taken if "pending" in t]
         for _, _, future in calls:
             if future.set_running_or_notify_cancel():
                 future.set_exception(failed)

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from ..cache.session_registry import SessionKey, SessionRecord
 from ..models import loading as models
 from ..scheduling.jobs import Job
-from ..types import EngineError
+from ..types import EngineError, EngineHalted
 from .catalog import ClientSessions, Freed, SessionView
 from .prune import GoneEntries
 
@@ -154,6 +154,9 @@ class SessionAdmin:
                 if confirmed:
                     await self._on_mlx(self.gone.forget, confirmed)
                 await asyncio.to_thread(self.sessions.save)
+            except EngineHalted as e:
+                log.warning("session upkeep stops: %s", e)  # the engine stopped for good
+                return
             except Exception:
                 log.exception("session upkeep failed")
 

@@ -92,8 +92,10 @@ async def health(request: web.Request) -> web.Response:
                                          status=r.status)  # fmt: skip
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             ranks["rank0_error"] = str(e) or type(e).__name__
+    # Up, as far as the launcher knows, but rank 0 did not answer: on its way down.
+    status = "down" if sup.state.state == "up" else sup.state.state
     return web.json_response(
-        {"status": sup.state.state, "reason": sup.unavailable(), "ranks": ranks}, status=503
+        {"status": status, "reason": sup.unavailable(), "ranks": ranks}, status=503
     )
 
 
@@ -103,24 +105,61 @@ async def relay(request: web.Request) -> web.StreamResponse:
         raise ApiError(503, sup.unavailable(), code="ranks_unavailable",
                        headers={"Retry-After": "5"})  # fmt: skip
     body = await request.read() if request.body_exists else None
+    # A rank's end, reported by the launcher, cuts this relay at once: rank 0 may be stuck
+    # in a step the lost rank never answers, and would only give up at the deadline.
+    cut = _Cut(asyncio.current_task())
+    sup.on_lost.add(cut)
+    try:
+        return await _relay(request, sup.state.rank0_url, body)
+    except asyncio.CancelledError:
+        if not cut.fired:
+            raise  # the client left
+        asyncio.current_task().uncancel()
+        err = ApiError(503, await sup.lost(), code="rank_lost")
+        started = request.get(_STARTED)
+        if started is None:
+            raise err from None
+        await _fail(request, *started, err)
+        return started[0]
+    finally:
+        sup.on_lost.discard(cut)
+
+
+class _Cut:
+    """Cancels one relay when the ranks are lost, and remembers it did."""
+
+    def __init__(self, task: asyncio.Task | None):
+        self.task, self.fired = task, False
+
+    def __call__(self) -> None:
+        self.fired = True
+        if self.task is not None:
+            self.task.cancel()
+
+
+# Once rank 0's answer began: the response and, for an event stream, its events so far.
+_STARTED = web.RequestKey("relay_started", tuple)
+
+
+async def _relay(request: web.Request, rank0: str, body: bytes | None) -> web.StreamResponse:
     headers = filtered(request.headers, HOP_BY_HOP | REQUEST_ONLY_DROP | _CHECKED_HERE)
     try:
         upstream = await request.app[_HTTP].request(
-            request.method,
-            sup.state.rank0_url + request.path_qs,
-            headers=headers,
-            data=body,
+            request.method, rank0 + request.path_qs, headers=headers, data=body,
             allow_redirects=False,
-        )
+        )  # fmt: skip
     except (aiohttp.ClientError, TimeoutError) as e:
         log.warning("%s %s: rank 0 did not answer: %s", request.method, request.path, e)
-        raise ApiError(503, await sup.lost(), code="rank_lost") from None
+        raise ApiError(503, await request.app[SUPERVISOR].lost(), code="rank_lost") from None
     completed = False
     try:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(filtered(upstream.headers, HOP_BY_HOP))
         await response.prepare(request)
-        completed = await _copy(request, upstream, response)
+        streaming = upstream.content_type == "text/event-stream"
+        events = EventStream(responses=request.path == _RESPONSES_ROUTE) if streaming else None
+        request[_STARTED] = (response, events)
+        completed = await _copy(request, upstream, response, events)
         return response
     finally:
         if completed:
@@ -130,12 +169,13 @@ async def relay(request: web.Request) -> web.StreamResponse:
 
 
 async def _copy(
-    request: web.Request, upstream: aiohttp.ClientResponse, response: web.StreamResponse
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    response: web.StreamResponse,
+    events: EventStream | None,
 ) -> bool:
-    """Rank 0's body to the client; True when it was read to its end. When the ranks are
-    lost half way, an event stream ends with its dialect's error naming the rank."""
-    streaming = upstream.content_type == "text/event-stream"
-    events = EventStream(responses=request.path == _RESPONSES_ROUTE) if streaming else None
+    """Rank 0's body to the client; True when it was read to its end. When rank 0 is lost
+    half way, an event stream ends with its dialect's error naming the rank."""
     try:
         async for chunk in upstream.content.iter_any():
             out = events.feed(chunk) if events is not None else chunk
@@ -149,20 +189,31 @@ async def _copy(
         return False  # the client left: closing rank 0's side stops its generation
     except (aiohttp.ClientError, TimeoutError):
         pass
-    if events is None:  # a plain body cut short: the client must see it truncated
+    err = ApiError(503, await request.app[SUPERVISOR].lost(), code="rank_lost")
+    await _fail(request, response, events, err)
+    return False
+
+
+async def _fail(
+    request: web.Request, response: web.StreamResponse, events: EventStream | None, err: ApiError
+) -> None:
+    """End a relayed answer that broke off: an event stream with its dialect's error, a
+    plain body by cutting the connection (the client must see it truncated)."""
+    log.warning("%s %s: the answer broke off: %s", request.method, request.path, err.message)
+    if events is None:
         if request.transport is not None:
             request.transport.close()
-        return False
-    err = ApiError(503, await request.app[SUPERVISOR].lost(), code="rank_lost")
-    log.warning("%s %s: the stream broke off: %s", request.method, request.path, err.message)
-    if not events.at_boundary:
-        await response.write(b"\n\n")
+        return
+    try:
+        if not events.at_boundary:
+            await response.write(b"\n\n")
+    except ConnectionError:
+        return
     sse = SSEWriter(request, response=response)
     if events.responses:
         await sse.fail_response(err, events.response_id, events.next_sequence)
     else:
         await sse.fail(err, dialect_for(request.path))
-    return False
 
 
 def serve_front(config: Any, argv: list[str], policy: BrowserPolicy) -> int:

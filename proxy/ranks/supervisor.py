@@ -78,6 +78,8 @@ class Supervisor:
         self._stopping = False
         self._ended: list[str] = []  # this world's ranks that ended, as mlx.launch said
         self.changed = asyncio.Event()  # set on each change of state
+        # Called when a rank of the running world ends: the front's relays in flight.
+        self.on_lost: set[Callable[[], None]] = set()
 
     def unavailable(self) -> str:
         """Why requests cannot be served now, for a 503."""
@@ -189,6 +191,15 @@ class Supervisor:
             line = _ANSI.sub("", raw.decode(errors="replace")).rstrip()
             if m := _ENDED.search(line):
                 self._ended.append(_how(int(m.group(1)), m.group(2)))
+                if len(self._ended) == 1 and not self._stopping:
+                    log.warning("%s: ending the requests in flight", self._ended[0])
+                    for cut in list(self.on_lost):
+                        cut()
+                    # The launcher ends the other ranks with SIGTERM and waits; a rank
+                    # that hangs (or is stopped) would keep it, and this world, forever.
+                    asyncio.get_running_loop().call_later(
+                        STOP_S, _signal_group, proc.pid, signal.SIGKILL
+                    )
             print(line, flush=True)
 
     def _failure(self, code: int | None) -> str | None:
