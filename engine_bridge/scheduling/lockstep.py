@@ -13,10 +13,12 @@ moment, but the runner reads `Job.halt`, which is set only here, on every rank a
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 from weakref import WeakValueDictionary
 
@@ -65,6 +67,13 @@ class Lockstep:
         job.key = self._next_key
         job.halt = threading.Event()
         self._jobs[job.key] = job
+        sampling = job.request.sampling
+        if sampling.temperature > 0 and sampling.seed is None:
+            # Every rank must draw the same tokens (each feeds its own back in): a request
+            # without a seed gets one here, shared with the request, so each rank draws
+            # from the same key stream rather than from its own global generator.
+            seed = secrets.randbits(62)
+            job.request = replace(job.request, sampling=replace(sampling, seed=seed))
 
     def stops(self) -> list[Op]:
         """A `halt` for every job whose client left since the last step."""

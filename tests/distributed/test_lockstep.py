@@ -29,3 +29,5 @@ def test_a_split_engine_answers_as_the_whole_model_does(demo_root, tmp_path, mod
     answers = json.loads((tmp_path / "answers.json").read_text())
     assert len(answers["split"]) == 5 and all(answers["split"])
     assert answers["split"] == answers["whole"]
+    # Sampled without a seed, every rank drew the same tokens (rank 0 seeds each request).
+    assert answers["ranks_agree"] and all(answers["sampled"])

@@ -21,12 +21,12 @@ from engine_bridge.types import GenerationRequest, Message, Sampling, TokenEvent
 QUESTIONS = ["Name three rivers.", "What is a prompt cache?", "Count to five.", "Say hi."]
 
 
-def request(model: str, question: str, n: int = 24) -> GenerationRequest:
+def request(model: str, question: str, n: int = 24, t: float = 0.0) -> GenerationRequest:
     return GenerationRequest(
         model=model,
         messages=[Message("system", "You are terse."), Message("user", question)],
         max_tokens=n,
-        sampling=Sampling(temperature=0.0),
+        sampling=Sampling(temperature=t),
         use_cache=False,
     )
 
@@ -56,6 +56,15 @@ async def serve(engine: Engine, model: str) -> list[str]:
     return [first, *together, last]
 
 
+async def sampled(engine: Engine, model: str) -> list[str]:
+    """Sampled without a seed, alone and two at once: every rank must draw the same."""
+    one = await answer(engine, request(model, QUESTIONS[1], 16, t=0.9))
+    two = await asyncio.gather(
+        *(answer(engine, request(model, q, 16, t=0.9)) for q in QUESTIONS[2:])
+    )
+    return [one, *two]
+
+
 def settings(cache_dir: Path, model: str, world=None) -> EngineSettings:
     return EngineSettings(
         cache_dir=cache_dir,
@@ -67,9 +76,9 @@ def settings(cache_dir: Path, model: str, world=None) -> EngineSettings:
     )
 
 
-async def lead(engine: Engine, model: str) -> list[str]:
+async def lead(engine: Engine, model: str) -> tuple[list[str], list[str]]:
     try:
-        return await serve(engine, model)
+        return await serve(engine, model), await sampled(engine, model)
     finally:
         await engine.close()
 
@@ -86,13 +95,21 @@ def main() -> None:
     out, cache_dir, mode, model = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
     world = join(mode)
     engine = Engine(settings(cache_dir, model, world))
+    # What this rank generated for every request, in order (followers answer no client).
+    results: list[str] = []
+    engine.on_result(lambda req, res: results.append(res.text))
     if not world.leader:
         engine.follow()
+        theirs = world.share(None)  # rank 0's results
+        world.all_ok(theirs == results)
         world.share(None)  # wait for rank 0's answers: mlx.launch ends every rank with one
         return
-    split = asyncio.run(lead(engine, model))
+    split, drawn = asyncio.run(lead(engine, model))
+    world.share(results)
+    agree = world.all_ok(True)
     whole = asyncio.run(alone(cache_dir, model))
-    (out / "answers.json").write_text(json.dumps({"split": split, "whole": whole}))
+    answers = {"split": split, "whole": whole, "sampled": drawn, "ranks_agree": agree}
+    (out / "answers.json").write_text(json.dumps(answers))
     world.share("written")
 
 
