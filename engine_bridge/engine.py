@@ -25,6 +25,7 @@ from .cache.session_registry import SessionRecord
 from .cache.ssd.store import SSDConfig, SSDStore
 from .cache.tiers import TieredCache
 from .cache.write_policy import SPARSE_PERIODIC_EVERY
+from .distributed.figures import RankFigures
 from .distributed.world import ALONE, World, join
 from .engine_settings import EngineSettings  # callers import it with Engine, from here
 from .models import discovery
@@ -59,6 +60,8 @@ from .types import (
 from .warm_ahead import WarmAhead
 
 log = logging.getLogger("engine_bridge.engine")
+
+RANK_FIGURES_S = 10.0  # how often rank 0 gathers what each rank holds, while serving
 
 
 class Engine:
@@ -118,6 +121,11 @@ class Engine:
             on_done=self._on_done,
             before_room=self.warm_ahead.stop_current,
         )
+        # Across ranks: what each rank's slices hold, gathered on rank 0 (figures.py).
+        self.figures: RankFigures | None = None
+        if not self.world.alone:
+            self.figures = RankFigures(self.world, self._rank_figures)
+            self.scheduler.handlers["rank_figures"] = self.figures.gather
         self._session_admin = SessionAdmin(self.sessions, self.scheduler.run, self.models.table)
         specs = list(settings.model_specs)
         if settings.serve_all_mlx:
@@ -133,6 +141,34 @@ class Engine:
         a rank past the first, `rank<N>` inside it (ranks that share a disk keep apart)."""
         root, world = self.settings.cache_dir, self.world
         return root if world.leader else root / f"rank{world.rank}"
+
+    async def rank_stats(self) -> list[dict[str, Any]] | None:
+        """What each rank of a split model holds now, by rank; None alone."""
+        if self.figures is None:
+            return None
+        return await self.scheduler.run_shared("rank_figures")
+
+    async def _gather_ranks(self) -> None:
+        while self.halted() is None:
+            await asyncio.sleep(RANK_FIGURES_S)
+            await self.rank_stats()
+
+    def _rank_figures(self) -> dict[str, Any]:
+        """This rank's slices in its tiers, its live K/V and MLX memory (off the MLX thread:
+        the SSD's counts wait on its index)."""
+        tiers = self.tiers.stats()
+        ram, ssd = tiers.ram, tiers.ssd
+        return {
+            "ram_bytes": ram.bytes,
+            "ram_blocks": ram.blocks,
+            "ram_checkpoints": ram.checkpoints,
+            "ram_budget_bytes": ram.budget_bytes,
+            "ssd_bytes": ssd.bytes if ssd is not None else 0,
+            "ssd_entries": ssd.entries if ssd is not None else 0,
+            "kv_bytes": self.scheduler.stats.kv_bytes,
+            "mlx_active_bytes": mlx_memory()["mlx_active_bytes"],
+            "ssd_root": str(self.cache_root),
+        }
 
     def halted(self) -> str | None:
         """Why the engine stopped for good (a rank of a split model lost: every request
@@ -232,9 +268,13 @@ class Engine:
         return await self._session_admin.clear(model, tenant)
 
     async def janitor(self) -> None:
-        """Background upkeep while serving: memory, idle models, idle sessions."""
+        """Background upkeep while serving: memory, idle models, idle sessions, and across
+        ranks what each rank holds (for /metrics)."""
+        work = [self.models.janitor(), self._session_admin.upkeep()]
+        if self.figures is not None:
+            work.append(self._gather_ranks())
         try:
-            await asyncio.gather(self.models.janitor(), self._session_admin.upkeep())
+            await asyncio.gather(*work)
         except (EngineHalted, EngineError) as e:
             if self.halted() is None:
                 raise
@@ -351,6 +391,8 @@ class Engine:
             "alert": self.hit_ratio_alert(),
             "warm_ahead": self.warm_ahead.stats(),
             "reasoning_memo": asdict(self.turns.reasoning.stats()),
+            # A split model: what each rank holds, as last gathered (rank_stats).
+            "ranks": self.figures.last if self.figures is not None else None,
         }
 
     def follow(self) -> None:
@@ -368,6 +410,8 @@ class Engine:
             self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def close(self) -> None:
+        if self.figures is not None:
+            self.figures.close()
         await self.warm_ahead.close()
         # Cancels what is running or queued; each cancelled request still saves its cache.
         await asyncio.to_thread(self.scheduler.close)

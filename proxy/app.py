@@ -182,7 +182,10 @@ async def list_models(request: web.Request) -> web.Response:
 async def cache_stats(request: web.Request) -> web.Response:
     # Off the event loop, as /metrics reads them: the SSD index's counts wait for its lock,
     # which the SSD writer thread holds while it writes, and every other route would wait.
-    stats = await asyncio.to_thread(request.app[ENGINE].stats)
+    engine = request.app[ENGINE]
+    if engine.ranks() is not None and engine.halted() is None:
+        await engine.rank_stats()  # what each rank holds now, into the stats below
+    stats = await asyncio.to_thread(engine.stats)
     # The proxy's own stores, read on the loop that changes them.
     return web.json_response({**stats, "proxy": proxy_stats(request.app)})
 

@@ -99,12 +99,19 @@ async def _server_health(url: str) -> dict[str, Any]:
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             async with session.get(url + "/health") as r:
-                body = orjson.loads(await r.read()) if r.status == 200 else None
-            settings = await _server_settings(session, url) if body else {}
+                ok = r.status == 200
+                body = orjson.loads(await r.read()) if r.status in (200, 503) else None
+            settings = await _server_settings(session, url) if ok else {}
+            held = await _rank_holdings(session, url) if ok and _ranks(body) else None
     except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as exc:
         return {"url": url, "running": False, "error": str(exc) or type(exc).__name__}
+    ranks = _ranks(body)
+    if ranks is not None:
+        ranks = ranks | {"holdings": held}
     if not isinstance(body, dict) or body.get("status") != "ok":
-        return {"url": url, "running": False, "error": "no mlx-prompt-cache /health there"}
+        why = body.get("reason") if isinstance(body, dict) else None
+        return {"url": url, "running": False, "ranks": ranks,
+                "error": why or "no mlx-prompt-cache /health there"}  # fmt: skip
     return {
         "url": url,
         "running": True,
@@ -112,7 +119,23 @@ async def _server_health(url: str) -> dict[str, Any]:
         "models": [m for m in body.get("models", []) if isinstance(m, str)],
         "loaded": [m for m in body.get("loaded", []) if isinstance(m, str)],
         "settings": settings,
+        "ranks": ranks,
     }
+
+
+def _ranks(body: Any) -> dict[str, Any] | None:
+    """A split model's ranks as the front reports them on /health; None for one process."""
+    ranks = body.get("ranks") if isinstance(body, dict) else None
+    return ranks if isinstance(ranks, dict) and "size" in ranks else None
+
+
+async def _rank_holdings(session: aiohttp.ClientSession, url: str) -> list[dict] | None:
+    """What each rank's slices hold (GET /v1/cache/stats `ranks`)."""
+    async with session.get(url + "/v1/cache/stats") as r:
+        if r.status != 200:
+            return None
+        held = orjson.loads(await r.read()).get("ranks")
+    return held if isinstance(held, list) else None
 
 
 async def _server_settings(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
@@ -244,6 +267,7 @@ def render(report: dict[str, Any]) -> str:
     server, lms, mem = report["server"], report["lmstudio"], report["memory"]
     state = "running" if server["running"] else "not running"
     out.append(f"Served in-process (server at {server['url']}: {state})")
+    out += _render_ranks(server.get("ranks"))
     width = max([len(r["id"]) for r in report["models"]] + [10])
     for r in report["models"]:
         loaded = {True: "loaded", False: "not loaded", None: "configured"}[r["loaded"]]
@@ -309,3 +333,21 @@ def render(report: dict[str, Any]) -> str:
     if blas["advice"]:
         out.append(f"  {blas['advice']}")
     return "\n".join(out)
+
+
+def _render_ranks(ranks: dict[str, Any] | None) -> list[str]:
+    """A split model's ranks: their state, and what each one's slices hold."""
+    if not ranks:
+        return []
+    restarts = ranks.get("restarts", 0)
+    last = f"; last lost: {ranks['last_failure']}" if ranks.get("last_failure") else ""
+    out = [f"  split across {ranks['size']} ranks ({ranks['mode']} over {ranks['backend']}): "
+           f"{ranks['state']}, {restarts} restarts{last}"]  # fmt: skip
+    for r in ranks.get("holdings") or []:
+        out.append(
+            f"    rank {r['rank']} ({r['layout']}): RAM {_size(r.get('ram_bytes'))} in "
+            f"{r.get('ram_blocks', 0)} blocks and {r.get('ram_checkpoints', 0)} checkpoints, "
+            f"SSD {_size(r.get('ssd_bytes'))} in {r.get('ssd_entries', 0)} files "
+            f"({r.get('ssd_root')}), live K/V {_size(r.get('kv_bytes'))}"
+        )
+    return out

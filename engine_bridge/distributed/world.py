@@ -82,6 +82,24 @@ class World:
         payload = mx.distributed.all_sum(mx.zeros(int(size), dtype=mx.uint8), group=self.group)
         return pickle.loads(bytes(memoryview(payload)))
 
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, by rank, on every rank (pickled: only plain data). Two
+        collectives: the sizes, then one buffer where each rank fills its own span."""
+        if self.alone:
+            return [obj]
+        data = pickle.dumps(obj)
+        sizes = [0] * self.size
+        sizes[self.rank] = len(data)
+        sizes = mx.distributed.all_sum(mx.array(sizes, dtype=mx.int32), group=self.group)
+        sizes = sizes.tolist()
+        start = sum(sizes[: self.rank])
+        buffer = bytearray(sum(sizes))
+        buffer[start : start + len(data)] = data
+        mine = mx.array(memoryview(buffer), dtype=mx.uint8)
+        every = bytes(memoryview(mx.distributed.all_sum(mine, group=self.group)))
+        offsets = [sum(sizes[:r]) for r in range(self.size)]
+        return [pickle.loads(every[o : o + n]) for o, n in zip(offsets, sizes, strict=True)]
+
     def least(self, value: int) -> int:
         """The smallest of every rank's `value`: what all of them can do."""
         if self.alone:

@@ -151,6 +151,24 @@ class EngineCollector(Collector):
             "hit_ratio_alert", "1 while the hit-ratio alert is on", int(bool(stats["alert"]))
         )
         yield from session_metrics(self.engine.session_records(), time.time())
+        if stats.get("ranks"):
+            yield from rank_metrics(stats["ranks"])
+
+
+def rank_metrics(ranks: list[dict]) -> Iterator[Metric]:
+    """A split model: what each rank's slices hold, as last gathered (every 10 s)."""
+    held = GaugeMetricFamily(f"{PREFIX}_rank_cache_bytes",
+                             "Bytes of cached state each rank holds, by tier",
+                             labels=["rank", "tier"])  # fmt: skip
+    kv = GaugeMetricFamily(f"{PREFIX}_rank_kv_bytes", "Live K/V bytes on each rank",
+                           labels=["rank"])  # fmt: skip
+    for r in ranks:
+        rank = str(r["rank"])
+        held.add_metric([rank, "ram"], r.get("ram_bytes", 0))
+        held.add_metric([rank, "ssd"], r.get("ssd_bytes", 0))
+        kv.add_metric([rank], r.get("kv_bytes", 0))
+    yield held
+    yield kv
 
 
 def stats_families(stats: dict) -> Iterator[Metric]:

@@ -17,6 +17,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +28,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import free_ports, fresh_cache_dir, start_server
+from tests.conftest import REPO, free_ports, fresh_cache_dir, start_server
 
 SYSTEM = "You are a terse assistant who answers in one line. " * 8
 FILE = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(8))
@@ -143,6 +145,27 @@ def test_speculation_drafts_on_the_split_model(world):
     msg = a.messages.create(model="demo-llama", max_tokens=200,
                             messages=[{"role": "user", "content": prompt}])  # fmt: skip
     assert COPIED.strip()[:40] in "".join(b.text for b in msg.content if b.type == "text")
+
+
+def test_stats_metrics_and_doctor_show_what_each_rank_holds(world, tmp_path):
+    server = world["server"]
+    ranks = _stats(server)["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert [r["layout"] for r in ranks] == ["tensor 0/2", "tensor 1/2"]
+    # The same turns, each rank its slice: as many entries, and bytes of the same order.
+    assert ranks[0]["ram_blocks"] == ranks[1]["ram_blocks"] > 0
+    assert 0.5 < ranks[1]["ram_bytes"] / ranks[0]["ram_bytes"] < 2
+    assert ranks[1]["ssd_root"].endswith("rank1")
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    assert 'mlx_prompt_cache_rank_cache_bytes{rank="1",tier="ram"}' in metrics
+    env = {**os.environ, "MLX_PROMPT_CACHE_SERVER_PORT": str(server.port)}
+    doctor = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "doctor"], env=env, capture_output=True,
+        text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert doctor.returncode == 0, doctor.stderr
+    assert "split across 2 ranks (tensor over ring): up" in doctor.stdout
+    assert "rank 1 (tensor 1/2): RAM" in doctor.stdout
 
 
 def test_a_restart_of_every_rank_resumes_from_ssd(world):

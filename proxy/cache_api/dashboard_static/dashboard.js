@@ -186,6 +186,15 @@
     } else {
       tier("ssd", null, null, "", "no SSD tier");
     }
+    // A model split across ranks: what each rank's slices hold (RAM + SSD, live K/V).
+    const ranks = Array.isArray(s.ranks) ? s.ranks : [];
+    $("ranks-card").hidden = ranks.length === 0;
+    if (ranks.length) {
+      $("ranks").textContent = `${ranks.length} × ${ranks[0].layout.split(" ")[0]}`;
+      $("ranks-detail").textContent = ranks.map((r) =>
+        `rank ${r.rank}: ${bytes(r.ram_bytes)} RAM, ${bytes(r.ssd_bytes)} SSD, ` +
+        `${bytes(r.kv_bytes)} K/V`).join(" · ");
+    }
   }
 
   function tier(name, used, limit, word, detail) {
