@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -124,9 +125,10 @@ class Engine:
         # Across ranks: what each rank's slices hold, gathered on rank 0 (figures.py).
         self.figures: RankFigures | None = None
         if not self.world.alone:
-            self.figures = RankFigures(self.world, self._rank_figures)
+            self.figures = RankFigures(self.world, self._rank_memory, self._rank_disk)
             self.scheduler.handlers["rank_figures"] = self.figures.gather
         self._session_admin = SessionAdmin(self.sessions, self.scheduler.run, self.models.table)
+        self.scheduler.handlers["forget"] = self._forget_here
         specs = list(settings.model_specs)
         if settings.serve_all_mlx:
             specs += [
@@ -153,20 +155,24 @@ class Engine:
             await asyncio.sleep(RANK_FIGURES_S)
             await self.rank_stats()
 
-    def _rank_figures(self) -> dict[str, Any]:
-        """This rank's slices in its tiers, its live K/V and MLX memory (off the MLX thread:
-        the SSD's counts wait on its index)."""
-        tiers = self.tiers.stats()
-        ram, ssd = tiers.ram, tiers.ssd
+    def _rank_memory(self) -> dict[str, Any]:
+        """This rank's slices in its RAM tier, its live K/V and MLX memory (no I/O)."""
+        ram = self.tiers.ram.stats()
         return {
             "ram_bytes": ram.bytes,
             "ram_blocks": ram.blocks,
             "ram_checkpoints": ram.checkpoints,
             "ram_budget_bytes": ram.budget_bytes,
-            "ssd_bytes": ssd.bytes if ssd is not None else 0,
-            "ssd_entries": ssd.entries if ssd is not None else 0,
             "kv_bytes": self.scheduler.stats.kv_bytes,
             "mlx_active_bytes": mlx_memory()["mlx_active_bytes"],
+        }
+
+    def _rank_disk(self) -> dict[str, Any]:
+        """This rank's slices on its SSD (its index's counts: off the MLX thread)."""
+        ssd = self.tiers.ssd.stats() if self.tiers.ssd is not None else None
+        return {
+            "ssd_bytes": ssd.bytes if ssd is not None else 0,
+            "ssd_entries": ssd.entries if ssd is not None else 0,
             "ssd_root": str(self.cache_root),
         }
 
@@ -258,14 +264,27 @@ class Engine:
         return self._session_admin.records()
 
     async def delete_session(self, session: str, tenant: str | None) -> Deleted:
-        return await self._session_admin.delete(session, tenant)
+        deleted = await self._session_admin.delete(session, tenant)
+        await self._forget_on_ranks("delete", session, tenant)
+        return deleted
 
     async def pin_session(self, session: str, tenant: str | None, pinned: bool) -> bool:
         return await self._session_admin.pin(session, tenant, pinned)
 
     async def clear(self, model: str | None, tenant: str | None) -> Freed:
         """Drop what `model` (or every model) cached for `tenant` (or every tenant)."""
-        return await self._session_admin.clear(model, tenant)
+        freed = await self._session_admin.clear(model, tenant)
+        await self._forget_on_ranks("clear", model, tenant)
+        return freed
+
+    async def _forget_on_ranks(self, kind: str, what: str | None, tenant: str | None) -> None:
+        """A split model: every other rank drops its slices as rank 0 just did."""
+        if self.figures is not None:
+            await self.scheduler.run_shared("forget", kind, what, tenant)
+
+    def _forget_here(self, kind: str, what: str | None, tenant: str | None) -> None:
+        if not self.world.leader:  # rank 0 dropped its own before it shared the call
+            self._session_admin.forget_here(kind, what, tenant)
 
     async def janitor(self) -> None:
         """Background upkeep while serving: memory, idle models, idle sessions, and across
@@ -400,6 +419,11 @@ class Engine:
         world = self.settings.world
         if world is None or world.leader:
             raise RuntimeError("only a follower rank follows")
+        # This rank's own upkeep: its memory guard and its sessions' TTL (what it holds,
+        # never what it computes: the ranks agree on each lookup). Rank 0 alone unloads.
+        upkeep = threading.Thread(target=asyncio.run, args=(self._follower_upkeep(),),
+                                  name="rank-upkeep", daemon=True)  # fmt: skip
+        upkeep.start()
         try:
             self.scheduler.join()
         finally:
@@ -408,6 +432,12 @@ class Engine:
             self.tiers.close(self.settings.ssd_drain_s)
             self.sessions.close()
             self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _follower_upkeep(self) -> None:
+        try:
+            await asyncio.gather(self.models.janitor(), self._session_admin.upkeep())
+        except (EngineHalted, EngineError) as e:
+            log.warning("upkeep stops: %s", e)
 
     async def close(self) -> None:
         if self.figures is not None:

@@ -312,7 +312,8 @@ class ModelLifecycle:
 
     async def janitor(self) -> None:
         """The memory guard, and idle unloading, while serving."""
-        idle = self.settings.idle_unload_s
+        # Across ranks, rank 0 alone decides an unload (a shared step: lockstep.py).
+        idle = self.settings.idle_unload_s if self.world.leader else 0
         guard = self.settings.ram_min_available_bytes is not None and self.settings.cache_enabled
         if not idle and not guard:
             return

@@ -111,6 +111,30 @@ class SessionAdmin:
         freed.add(*await self._on_mlx(self._clear_features, fingerprint, tenant))
         return await asyncio.to_thread(self.sessions.drop_ssd, plan, freed)
 
+    def forget_here(self, kind: str, what: str | None, tenant: str | None) -> None:
+        """A rank past the first, as rank 0 just did (a shared call, on the MLX thread):
+        drop its slices of a session (`delete`, `what` its id) or of a model and/or tenant
+        (`clear`, `what` the model), in RAM and on its SSD (this rank answers no client, so
+        its SSD I/O here stalls no one)."""
+        if kind == "delete":
+            keys = [r.key for r in self.sessions.registry.find(what, tenant)] if what else []
+            if not keys:
+                return
+            freed, plan = self.sessions.drop_ram(keys)
+        else:
+            fingerprint = None
+            if what is not None:
+                loaded = next((m for m in self._served.loaded() if m.id == what), None)
+                if loaded is None:  # its slices here age out of RAM, and off the SSD
+                    log.info("clear of %s: not loaded on this rank", what)
+                    return
+                fingerprint = loaded.fingerprint
+            freed, plan = self.sessions.clear_ram(what, fingerprint, tenant)
+            freed.add(*self._clear_features(fingerprint, tenant))
+        freed = self.sessions.drop_ssd(plan, freed)
+        log.info("%s %s on this rank: %d entries, %d bytes freed", kind, what or "all",
+                 freed.entries, freed.bytes)  # fmt: skip
+
     def _clear_features(self, fingerprint: str | None, tenant: str | None) -> tuple[int, int]:
         """Vision features the loaded models hold in RAM (MLX thread); those on SSD go with
         the clear's plan, like every other entry kind of their scope."""

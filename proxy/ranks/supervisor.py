@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-log = logging.getLogger("proxy.ranks")
+log = logging.getLogger("proxy.ranks.supervisor")
 
 # What rank 0 exits with when it gave up on the other ranks (proxy/cli.py).
 RANK_LOST_EXIT = 75

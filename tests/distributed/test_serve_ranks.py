@@ -53,6 +53,9 @@ def _start(cache_dir: Path, forced: Path, ports: int):
             "MLX_PROMPT_CACHE_DISTRIBUTED_DEADLINE": f"{DEADLINE_S:g}s",
             "MLX_PROMPT_CACHE_FORCE_OUTPUT": str(forced),
             "MLX_PROMPT_CACHE_ENGINE_SPECULATIVE": "prompt-lookup",
+            # Checkpoints go to SSD at once (not held back for a deeper one): a killed rank
+            # then has on disk what the test waited to see written.
+            "MLX_PROMPT_CACHE_CACHE_SSD_CHECKPOINT_WRITE_DELAY": "0",
         },
     )
 
@@ -149,6 +152,7 @@ def test_speculation_drafts_on_the_split_model(world):
 
 def test_stats_metrics_and_doctor_show_what_each_rank_holds(world, tmp_path):
     server = world["server"]
+    _ask(_client(server), "demo-hybrid", QUESTIONS[0])
     ranks = _stats(server)["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
     assert [r["layout"] for r in ranks] == ["tensor 0/2", "tensor 1/2"]
@@ -156,6 +160,7 @@ def test_stats_metrics_and_doctor_show_what_each_rank_holds(world, tmp_path):
     assert ranks[0]["ram_blocks"] == ranks[1]["ram_blocks"] > 0
     assert 0.5 < ranks[1]["ram_bytes"] / ranks[0]["ram_bytes"] < 2
     assert ranks[1]["ssd_root"].endswith("rank1")
+    assert ranks[0]["kv_bytes"] == ranks[1]["kv_bytes"] == 0  # nothing running
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
     assert 'mlx_prompt_cache_rank_cache_bytes{rank="1",tier="ram"}' in metrics
     env = {**os.environ, "MLX_PROMPT_CACHE_SERVER_PORT": str(server.port)}
@@ -166,6 +171,22 @@ def test_stats_metrics_and_doctor_show_what_each_rank_holds(world, tmp_path):
     assert doctor.returncode == 0, doctor.stderr
     assert "split across 2 ranks (tensor over ring): up" in doctor.stdout
     assert "rank 1 (tensor 1/2): RAM" in doctor.stdout
+
+
+def test_a_clear_empties_every_rank(world):
+    server = world["server"]
+    assert httpx.delete(server.url + "/v1/cache", timeout=60).status_code == 200
+    ranks = _stats(server)["ranks"]
+    assert [r["ram_blocks"] for r in ranks] == [0, 0], ranks
+    deadline = time.monotonic() + 20  # each rank reads its SSD's counts every second
+    while any(r["ssd_entries"] for r in ranks):
+        assert time.monotonic() < deadline, ranks
+        time.sleep(0.5)
+        ranks = _stats(server)["ranks"]
+    client = _client(server)
+    cold = _ask(client, "demo-hybrid", QUESTIONS[2])
+    assert cold[1] == "none" and cold[2] == 0
+    assert _ask(client, "demo-hybrid", QUESTIONS[2], bypass=True)[0] == cold[0]
 
 
 def test_a_restart_of_every_rank_resumes_from_ssd(world):
@@ -184,6 +205,11 @@ def test_a_killed_rank_fails_the_stream_with_a_503_and_the_ranks_come_back(world
     server = world["server"]
     client = _client(server)
     warm = _ask(client, "demo-hybrid", QUESTIONS[1])
+    # Written: each rank's SSD holds the same entries (what it queued may yet be lost).
+    deadline = time.monotonic() + 30
+    while len({r["ssd_entries"] for r in _stats(server)["ranks"]}) != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
     rank1 = _rank_pids(server.port).get(1)
     assert rank1 is not None
     stream = client.chat.completions.create(
