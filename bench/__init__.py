@@ -29,6 +29,7 @@ SCENARIOS = (
     "vision",
     "speculative",
     "tier-stall",
+    "distributed",
 )
 HYBRID_DEFAULT = ("demo-hybrid", "demo-swa", "demo-qwen36")
 

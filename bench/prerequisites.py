@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,12 +23,24 @@ class Prerequisite:
     install: str
     program: str | None = None
     module: str | None = None
+    # Look for `program` beside this Python first: a package's script sits in its venv's
+    # bin/, which is not on PATH when the bench runs as .venv/bin/python.
+    beside_python: bool = False
 
     def found(self) -> bool:
         if self.program is not None:
-            return shutil.which(self.program) is not None
+            return self.where() is not None
         assert self.module is not None, self
         return importable(self.module)
+
+    def where(self) -> Path | None:
+        """Where `program` is, or None."""
+        assert self.program is not None, self
+        beside = Path(sys.executable).with_name(self.program)
+        if self.beside_python and beside.is_file():
+            return beside
+        found = shutil.which(self.program)
+        return Path(found) if found else None
 
     @property
     def reason(self) -> str:
@@ -52,6 +66,12 @@ REDIS = Prerequisite(
 MLX_VLM = Prerequisite(
     "mlx-vlm missing", "pip install 'mlx-prompt-cache[vision]'", module="mlx_vlm"
 )
+MLX_LAUNCH = Prerequisite(
+    "mlx.launch (MLX's launcher of distributed programs) not found",
+    "it ships with mlx: pip install --force-reinstall mlx",
+    program="mlx.launch",
+    beside_python=True,
+)
 MATPLOTLIB = Prerequisite(
     "matplotlib missing", "pip install 'mlx-prompt-cache[bench]'", module="matplotlib"
 )
@@ -60,6 +80,7 @@ MATPLOTLIB = Prerequisite(
 NEEDS: dict[str, tuple[Prerequisite, ...]] = {
     "shared": (REDIS_SERVER, REDIS),
     "vision": (MLX_VLM,),
+    "distributed": (MLX_LAUNCH,),
 }
 
 

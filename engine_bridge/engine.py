@@ -135,7 +135,10 @@ class Engine:
                 str(m.path) for m in discovery.scan(settings.lmstudio_dirs) if m.format == "mlx"
             ]
         for spec in specs or DEMO_MODEL_IDS:
-            self.models.table.add(models.resolve(spec, settings.cache_dir, settings.lmstudio_dirs))
+            ref = models.resolve(spec, settings.cache_dir, settings.lmstudio_dirs)
+            if not self.world.alone:
+                models.check_split(ref, self.world)  # refused at start, naming it
+            self.models.table.add(ref)
 
     @property
     def cache_root(self) -> Path:

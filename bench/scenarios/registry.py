@@ -418,6 +418,7 @@ def _agent_rows(result: ScenarioResult, case: dict) -> None:
 
 def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
     from .concurrency import concurrency
+    from .distributed.scenario import distributed
     from .overhead import overhead, tier_stall
     from .restart import restart
     from .shared import shared
@@ -439,6 +440,7 @@ def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
         "vision": vision,
         "speculative": speculative,
         "tier-stall": tier_stall,
+        "distributed": distributed,
     }
 
 

@@ -67,18 +67,24 @@ class World:
         return hashlib.sha256(f"{whole}\0{self.layout}".encode()).hexdigest()[:32]
 
     def share(self, obj: T | None) -> T | None:
-        """Rank 0's `obj`, on every rank (others pass None). Pickled: only plain data."""
+        """Rank 0's `obj`, on every rank (others pass None). Pickled: only plain data. An
+        empty list reaches the others as None (it costs one collective, not two)."""
         if self.alone:
             return obj
         if self.leader:
-            data = pickle.dumps(obj)
+            # Nothing to send (a step with no new operations: most decode steps): the size
+            # alone, 0, which followers read as None; one collective instead of two.
+            data = pickle.dumps(obj) if obj is not None and obj != [] else b""
             # One collective at a time, in the followers' order: evaluated together, the
             # two could be scheduled the other way round, and every rank would wait.
             mx.eval(mx.distributed.all_sum(mx.array(len(data), dtype=mx.int32), group=self.group))
-            payload = mx.array(memoryview(data), dtype=mx.uint8)
-            mx.eval(mx.distributed.all_sum(payload, group=self.group))
+            if data:
+                payload = mx.array(memoryview(data), dtype=mx.uint8)
+                mx.eval(mx.distributed.all_sum(payload, group=self.group))
             return obj
         size = mx.distributed.all_sum(mx.array(0, dtype=mx.int32), group=self.group).item()
+        if not size:
+            return None
         payload = mx.distributed.all_sum(mx.zeros(int(size), dtype=mx.uint8), group=self.group)
         return pickle.loads(bytes(memoryview(payload)))
 
@@ -115,6 +121,7 @@ class World:
         if self.alone:
             return max(positions, default=0)
         offered = self.share(sorted(set(positions), reverse=True)[:limit] if self.leader else None)
+        offered = offered or []
         held = set(positions)
         # The same length on every rank (rank 0's list, or one 0 for an empty one).
         marks = mx.array([int(p in held) for p in offered] or [0], dtype=mx.int32)

@@ -19,10 +19,10 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.utils import load as mlx_load
-from mlx_lm.utils import load_tokenizer
+from mlx_lm.utils import load_model, load_tokenizer
 
 from .. import kv
-from ..distributed.shard import NotShardable, load_split
+from ..distributed.shard import NotShardable, can_split, load_split, split
 from ..distributed.world import ALONE, World
 from ..prompting.output_format import OutputFormat
 from ..prompting.prefix_memo import PrefixMemo
@@ -132,6 +132,21 @@ def _id_for_path(path: Path, lmstudio_dirs: list[Path]) -> str:
         except ValueError:
             continue
     return path.name
+
+
+def check_split(ref: ModelRef, world: World) -> None:
+    """Refuse, naming it, a model this world cannot split (a vision model, or a class with
+    no split of the asked kind): at start, so that no request finds it out. The model is
+    built lazily, so no weight is read."""
+    config = json.loads((ref.path / "config.json").read_text(encoding="utf-8"))
+    if vision.can_load(config):
+        raise EngineError(f"{ref.id} is a vision model, which runs on one rank only")
+    model, _ = load_model(ref.path, lazy=True)
+    if not can_split(model, world.mode):
+        try:
+            split(model, world)  # raises NotShardable, naming the class and what would work
+        except NotShardable as e:
+            raise EngineError(f"{ref.id}: {e}", field="model") from e
 
 
 def load(ref: ModelRef, world: World = ALONE) -> LoadedModel:

@@ -245,6 +245,10 @@ def serve_front(config: Any, argv: list[str], policy: BrowserPolicy) -> int:
     supervisor = Supervisor(state, launch)
     app = create_front(supervisor, policy, config.server.max_body_bytes)
     asyncio.run(_serve(app, supervisor, config.server.host, config.server.port))
+    if supervisor.fatal is not None:
+        print(f"mlx-prompt-cache: the ranks refused to start: {supervisor.fatal}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     return 0
 
 
@@ -262,7 +266,9 @@ async def _serve(app: web.Application, supervisor: Supervisor, host: str, port: 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    # A stop, or the ranks refusing to start (supervisor.fatal): nothing left to serve.
+    await asyncio.wait({asyncio.create_task(stop.wait()), ranks},
+                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
     log.info("stopping the ranks")
     await supervisor.stop()
     await ranks

@@ -31,6 +31,10 @@ RANK_LOST_EXIT = 75
 # mlx.launch's report of each rank's end, on its stderr.
 _ENDED = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# What a rank exits with when it refuses to start (proxy/cli.py: a config error, a model
+# that cannot be split), and the line it says why on.
+CONFIG_EXIT = 2
+_REFUSAL = "mlx-prompt-cache: "
 RESTART_S, RESTART_MAX_S = 1.0, 30.0
 STOP_S = 30.0  # a clean stop: rank 0 drains its requests and SSD writes
 
@@ -77,6 +81,11 @@ class Supervisor:
         self._proc: asyncio.subprocess.Process | None = None
         self._stopping = False
         self._ended: list[str] = []  # this world's ranks that ended, as mlx.launch said
+        self._codes: list[int | None] = []  # and their exit codes
+        self._refusal: str | None = None  # what a rank said when it refused to start
+        # Set when the ranks refuse to start (a model that cannot be split, a bad config):
+        # starting them again would only fail again.
+        self.fatal: str | None = None
         self.changed = asyncio.Event()  # set on each change of state
         # Called when a rank of the running world ends: the front's relays in flight.
         self.on_lost: set[Callable[[], None]] = set()
@@ -110,6 +119,10 @@ class Supervisor:
             await self._one_world()
             if self._stopping:
                 break
+            if self.state.state == "starting" and CONFIG_EXIT in self._codes:
+                self.fatal = self._refusal or self.state.last_failure or "the ranks refused"
+                log.error("the ranks refused to start: %s", self.fatal)
+                break
             self._set("down")
             # A world that served a while was not failing to start: begin the pauses again.
             pause = RESTART_S if time.monotonic() - started > 60 else min(pause * 2, RESTART_MAX_S)
@@ -140,7 +153,7 @@ class Supervisor:
         port = _free_port()
         self.state.attempt += 1
         self.state.rank0_url = f"http://127.0.0.1:{port}"
-        self._ended = []
+        self._ended, self._codes, self._refusal = [], [], None
         self._set("starting")
         argv = self._command(port)
         log.info("starting %d ranks (attempt %d): %s", self.state.size, self.state.attempt,
@@ -189,8 +202,11 @@ class Supervisor:
         assert proc.stdout is not None
         async for raw in proc.stdout:
             line = _ANSI.sub("", raw.decode(errors="replace")).rstrip()
+            if line.startswith(_REFUSAL):
+                self._refusal = line[len(_REFUSAL) :]
             if m := _ENDED.search(line):
                 self._ended.append(_how(int(m.group(1)), m.group(2)))
+                self._codes.append(int(m.group(2)) if m.group(2) is not None else None)
                 if len(self._ended) == 1 and not self._stopping:
                     log.warning("%s: ending the requests in flight", self._ended[0])
                     for cut in list(self.on_lost):

@@ -291,3 +291,16 @@ def test_a_rank_that_stops_answering_fails_the_request_at_the_deadline(world):
         time.sleep(0.5)
     assert "rank 0 gave up" in health.json()["ranks"]["last_failure"]
     assert _ask(client, "demo-llama", QUESTIONS[3])[0]
+
+
+def test_a_model_that_cannot_be_split_is_refused_at_start(demo_root, tmp_path):
+    cache = fresh_cache_dir(demo_root, tmp_path / "cache")
+    env = {**os.environ, "MLX_PROMPT_CACHE_DISTRIBUTED_PORT": str(free_ports(2))}
+    argv = ["serve", "--port", str(free_ports(1)), "--cache-dir", str(cache), "--upstream",
+            "http://127.0.0.1:9", "--model", "demo-llama", "--ranks", "2", "--split", "pipeline"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", *argv], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert ("the ranks refused to start: demo-llama: llama.Model cannot be split in pipeline "
+            'mode across 2 ranks: mlx-lm gives it no model.pipeline(group); try mode = "tensor"'
+            ) in done.stderr  # fmt: skip

@@ -32,6 +32,9 @@ WHY_NOT: dict[str, str] = {
     "distributed/test_serve_ranks.py": "the served split's HTTP path, cache agreement and "
     "failures on demo-hybrid's layer kinds; demo-qwen36 split by heads and by layers runs in "
     "test_lockstep.py and test_sharded_load.py, and two 130 MB ranks here would double its time",
+    "distributed/test_bench_distributed.py": "the bench scenario's own parts (command lines, "
+    "rows, the weight index mlx_lm.server's pipeline needs, no process left behind); the "
+    "scenario itself splits demo-hybrid, whose layer kinds are Qwen3.6's",
     "config/test_config.py": "config parsing names demo ids as strings; no model runs",
     "config/test_model_settings.py": "per-model settings matching; no model runs",
     "config/test_model_settings_http.py": "settings reach the template and sampler the same "

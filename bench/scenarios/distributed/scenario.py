@@ -1,0 +1,265 @@
+"""The distributed scenario: an agent session on demo-hybrid split across two ranks.
+
+For each split (by heads, "tensor"; by layers, "pipeline") three servers get the same
+session in one run, one after the other: ours on 2 ranks (`serve --ranks 2 --split MODE`),
+ours on 1 rank (plain `serve`), and mlx_lm.server's own distributed mode on 2 ranks
+(`mlx.launch ... mlx_lm.server [--pipeline]`). It reports the TTFT of the warm turns (the
+cache's work: only the new tokens are prefilled, on every rank), the decode rate (the
+split's work: each token crosses the ranks' links), the share of each prompt from the
+cache, and what each rank's cache holds against the whole model's cache for the same turns
+(each rank holds its slice of every block: about half on two ranks).
+
+Ranks on one machine share its cores, so on a small CPU the split is slower than the whole
+model; the ratios, measured side by side, are what to read, never the bare seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ... import traces
+from ...harness import Harness, Settings, resolve_model, stats
+from ...results import Row, Sample, ScenarioResult, mean, ratio, total
+from ...servers import ModelSpec
+from .worlds import World, WorldServer, serving, worlds
+
+MODEL = "demo-hybrid"  # Qwen3.5's layer kinds; splits by heads and by layers alike
+MODES = ("tensor", "pipeline")
+RANKS = 2
+KEYS = ("ours", "ours_1rank", "mlx_lm")  # World.key of worlds(): 2 ranks, 1 rank, mlx_lm
+# /v1/cache/stats gathers each rank's RAM figures when asked; each rank reads its SSD's
+# counts every second on a thread of its own (engine_bridge/distributed/figures.py), and
+# warming ahead may still store after the last turn: read the figures after a pause.
+FIGURES_SETTLE_S = 3.0
+SETTLE_POLL_S = 2.0
+SETTLE_POLLS = 8
+
+HEADLINE = f"mean TTFT of warm agent turns (2..N), {RANKS} ranks (s)"
+TARGETS = (
+    "target mlx_lm / ours ≥ 2 (ours ≤ 0.5× mlx_lm.server's distributed mode); "
+    "each rank ≈ 1/2 of the whole model's cache"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """The agent session: one session of `calls` requests, and the tokens each generates."""
+
+    calls: int
+    system_chars: int
+    result_chars: int
+    tool_detail_chars: int
+    compact_tools: bool
+    max_tokens: int  # enough streamed tokens after the first to time the decode
+
+    @classmethod
+    def of(cls, settings: Settings) -> Sizes:
+        if settings.quick:  # schemas without descriptions: prefills that fit a 2-core CPU
+            return cls(4, 2000, 800, 0, True, max(settings.max_tokens, 24))
+        return cls(8, 9000, 3000, 300, False, max(settings.max_tokens, 64))
+
+
+def distributed(settings: Settings, model: ModelSpec) -> list[ScenarioResult]:
+    """Ours split, ours whole and mlx_lm.server split, on each split mode of demo-hybrid."""
+    spec = split_model(settings)
+    sizes = Sizes.of(settings)
+    trace = traces.agent_trace(
+        settings.seed,
+        calls_per_session=(sizes.calls,),
+        system_chars=sizes.system_chars,
+        tool_detail_chars=sizes.tool_detail_chars,
+        result_chars=sizes.result_chars,
+        compact_tools=sizes.compact_tools,
+    )
+    return [
+        _guarded(_name(spec, mode), lambda mode=mode: run_split(settings, spec, mode, trace, sizes))
+        for mode in MODES
+    ]
+
+
+def split_model(settings: Settings) -> ModelSpec:
+    """demo-hybrid as the run has it, or built beside the run's other demo models."""
+    for m in (settings.model, *settings.hybrid_models):
+        if m.id == MODEL:
+            return m
+    root = settings.model.path.parent if settings.model.is_demo else settings.out / "models"
+    return resolve_model(MODEL, root)
+
+
+def _name(model: ModelSpec, mode: str) -> str:
+    return f"{model.id} ({mode} split)"
+
+
+def _guarded(name: str, fn: Callable[[], ScenarioResult]) -> ScenarioResult:
+    """One split's result; a failure becomes a result that carries the error, so the other
+    split still runs (registry.guarded, which this package cannot import: a circle)."""
+    start = time.perf_counter()
+    try:
+        return fn()
+    except Exception as e:  # a world that will not start
+        failed = ScenarioResult("distributed", name)
+        failed.errors.append(f"{type(e).__name__}: {e}")
+        failed.seconds = time.perf_counter() - start
+        return failed
+
+
+def run_split(
+    settings: Settings, model: ModelSpec, mode: str, trace: traces.AgentTrace, sizes: Sizes
+) -> ScenarioResult:
+    result = ScenarioResult("distributed", _name(model, mode))
+    held: dict[str, dict[str, list[Any]]] = {}
+    with Harness(settings, result, model) as h:
+        for world in worlds(mode, RANKS):
+            h.progress(f"{mode}: starting", world.label)
+            with serving(h, world, model) as server:
+                for i, call in enumerate(trace.calls):
+                    sample = send(h, server, world, call, i, sizes.max_tokens)
+                    h.progress(f"{mode} turn {i + 1}/{len(trace.calls)}", world.key, sample)
+                if world.kind == "ours":
+                    held[world.key] = holdings(server, world)
+                    h.progress(f"{mode}: cache RAM bytes by rank {held[world.key]}", world.key)
+    result.metrics |= {"calls": len(trace.calls), "max_tokens": sizes.max_tokens}
+    summarize(result, held)
+    result.notes.append(
+        "ours gets the Anthropic request, mlx_lm.server the same call converted to OpenAI "
+        "(traces.to_openai); the servers ran one at a time, in the order ours on 2 ranks, "
+        "ours on 1 rank, mlx_lm.server on 2 ranks"
+    )
+    return result.finish()
+
+
+def send(
+    h: Harness, server: WorldServer, world: World, call: traces.AgentCall, step: int,
+    max_tokens: int,
+) -> Sample:  # fmt: skip
+    body = call.anthropic(server.model_name, max_tokens)
+    if world.kind == "mlx_lm":
+        sample = h.send(server, "openai", traces.to_openai(body), step)
+    else:
+        sample = h.send(server, "anthropic", body, step)
+    sample.server = world.key  # ours on 2 ranks and on 1 are both kind "ours"
+    return sample
+
+
+def holdings(server: WorldServer, world: World) -> dict[str, list[Any]]:
+    """What the cache holds after the turns, by rank, once every rank's figures are in.
+
+    Both of ours wait as long, so a warm-ahead prefill after the last turn counts in both.
+    """
+    time.sleep(FIGURES_SETTLE_S)
+    current: dict[str, Any] = {}
+    for _ in range(SETTLE_POLLS):
+        current = stats(server)
+        if world.ranks == 1 or _gathered(current, world.ranks):
+            break
+        time.sleep(SETTLE_POLL_S)
+    return per_rank(current)
+
+
+def _gathered(s: dict[str, Any], ranks: int) -> bool:
+    """Whether the gathered figures are in for every rank and rank 0's match its live RAM."""
+    by_rank = s.get("ranks") or []
+    live = (s.get("ram") or {}).get("bytes")
+    return len(by_rank) == ranks and by_rank[0].get("ram_bytes") == live
+
+
+def per_rank(s: dict[str, Any]) -> dict[str, list[Any]]:
+    """RAM and SSD bytes of the cache, by rank: `ranks` of a split server's
+    /v1/cache/stats, or a single process's own `ram` and `ssd` sections."""
+    by_rank = s.get("ranks")
+    if by_rank:
+        keys = ("layout", "ram_bytes", "ssd_bytes", "kv_bytes")
+        return {k: [r.get(k) for r in by_rank] for k in keys}
+    return {
+        "layout": ["whole"],
+        "ram_bytes": [(s.get("ram") or {}).get("bytes")],
+        "ssd_bytes": [(s.get("ssd") or {}).get("bytes")],
+    }
+
+
+def decode_rate(samples: Iterable[Sample]) -> float | None:
+    """Tokens streamed after the first over the seconds after the first token, summed over
+    the requests that streamed two or more."""
+    timed = [
+        (s.completion_tokens - 1, s.total_s - s.ttft_s)
+        for s in samples
+        if s.ok and s.ttft_s is not None and (s.completion_tokens or 0) > 1 and s.total_s > s.ttft_s
+    ]
+    return ratio(total(n for n, _ in timed), total(t for _, t in timed))
+
+
+def hit_ratio(samples: Iterable[Sample]) -> float | None:
+    """Cached over prompt tokens, over the requests whose server said what it cached."""
+    told = [s for s in samples if s.prompt_tokens and s.cached_tokens is not None]
+    return ratio(total(s.cached_tokens for s in told), total(s.prompt_tokens for s in told))
+
+
+def summarize(result: ScenarioResult, held: dict[str, dict[str, list[Any]]]) -> None:
+    warm = {k: result.of(k)[1:] for k in KEYS}
+    ttft = {k: mean(s.ttft_s for s in v) for k, v in warm.items()}
+    decode = {k: decode_rate(result.of(k)) for k in KEYS}
+    hits = {k: hit_ratio(v) for k, v in warm.items()}
+    two, one = f"{RANKS} ranks", "ours on 1 rank"
+    vs_one = f"ours {RANKS} ranks / 1 rank"
+    result.rows += [
+        Row(HEADLINE, {"ours": ttft["ours"], "mlx_lm": ttft["mlx_lm"]},
+            {"mlx_lm / ours": ratio(ttft["mlx_lm"], ttft["ours"])},
+            note="turns 2..N of one coding-agent session: each adds a tool round to the "
+            f"last; {TARGETS}"),
+        Row(f"mean TTFT of warm agent turns (2..N), {one} (s)", {"ours": ttft["ours_1rank"]},
+            {vs_one: ratio(ttft["ours"], ttft["ours_1rank"])},
+            note="the same server, the model whole in one process"),
+        Row(f"decode tok/s, {two}", {"ours": decode["ours"], "mlx_lm": decode["mlx_lm"]},
+            {"ours / mlx_lm": ratio(decode["ours"], decode["mlx_lm"])},
+            note="tokens streamed after the first / seconds after the first token, over "
+            "every turn"),
+        Row(f"decode tok/s, {one}", {"ours": decode["ours_1rank"]},
+            {vs_one: ratio(decode["ours"], decode["ours_1rank"])}),
+        Row(f"token hit ratio of warm turns (cached / prompt tokens), {two}",
+            {"ours": hits["ours"], "mlx_lm": hits["mlx_lm"]}),
+        Row(f"token hit ratio of warm turns, {one}", {"ours": hits["ours_1rank"]}),
+    ]  # fmt: skip
+    _holding_rows(result, held)
+    result.metrics |= {
+        "warm_ttft_mlx_lm_over_ours": ratio(ttft["mlx_lm"], ttft["ours"]),
+        "warm_ttft_ours_2ranks_over_1rank": ratio(ttft["ours"], ttft["ours_1rank"]),
+        "decode_ours_over_mlx_lm": ratio(decode["ours"], decode["mlx_lm"]),
+        "decode_ours_2ranks_over_1rank": ratio(decode["ours"], decode["ours_1rank"]),
+    }
+    result.metrics |= {f"completion_tokens_{k}": total(s.completion_tokens for s in result.of(k))
+                       for k in KEYS}  # fmt: skip
+    pairs = zip(result.of("ours"), result.of("ours_1rank"), strict=False)
+    same = [a.output == b.output for a, b in pairs if a.ok and b.ok]
+    # Greedy, the split answers as the whole model does (mlx_lm's prompts differ a little).
+    result.metrics["greedy_outputs_equal_2ranks_vs_1rank"] = sum(same) / len(same) if same else None
+    if all(s.cached_tokens is None for s in result.of("mlx_lm")):
+        result.notes.append("mlx_lm.server reported no cached tokens: its hit ratio is null")
+
+
+def _holding_rows(result: ScenarioResult, held: dict[str, dict[str, list[Any]]]) -> None:
+    split, whole = held.get("ours") or {}, held.get("ours_1rank") or {}
+    whole_ram = (whole.get("ram_bytes") or [None])[0]
+    for i, (layout, ram) in enumerate(
+        zip(split.get("layout") or [], split.get("ram_bytes") or [], strict=False)
+    ):
+        result.rows.append(
+            Row(
+                f"cache RAM bytes held by rank {i} ({layout})",
+                {"ours": ram},
+                {f"rank {i} / 1 rank": ratio(ram, whole_ram)},
+                note=""
+                if i
+                else "after the same turns as the 1-rank server, read "
+                f"{FIGURES_SETTLE_S:g} s after the last (/v1/cache/stats ranks); target ≈ 1/2",
+            )
+        )
+        result.metrics[f"rank{i}_ram_over_1rank"] = ratio(ram, whole_ram)
+    result.rows.append(Row("cache RAM bytes, ours on 1 rank", {"ours": whole_ram}))
+    for key, figures in (("2ranks", split), ("1rank", whole)):
+        for i, ssd in enumerate(figures.get("ssd_bytes") or []):
+            result.metrics[f"ssd_bytes_{key}_rank{i}"] = ssd
+    if not split.get("ram_bytes"):
+        result.notes.append("/v1/cache/stats of ours on 2 ranks had no `ranks` figures")

@@ -1,0 +1,214 @@
+"""The servers the distributed scenario compares, each a "world" of one or more ranks.
+
+Ours on two ranks is `serve --ranks 2`: a front process that starts both ranks through
+`mlx.launch` (in a process group of their own) and relays to rank 0. mlx_lm.server's own
+distributed mode is `mlx.launch ... -- -m mlx_lm.server`, whose rank 0 answers HTTP. Each
+world starts in a session of its own and is stopped as a tree: a rank left behind would
+hold a CPU of a 2-core machine and every later number with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+from ... import servers
+from ...harness import Harness
+from ...prerequisites import MLX_LAUNCH
+from ...servers import LABELS, Kind, ModelSpec, Server
+
+HOST = "127.0.0.1"
+# Seconds a world has to end after SIGTERM before its processes are killed.
+STOP_TIMEOUT_S = 60.0
+# mlx_lm's pipeline split finds each layer's file in this index (mlx_lm.utils.sharded_load).
+INDEX = "model.safetensors.index.json"
+# Our proxy's environment variable for the first of the ranks' ring ports.
+RING_PORT_ENV = "MLX_PROMPT_CACHE_DISTRIBUTED_PORT"
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    """One server of the comparison: whose it is, on how many ranks, split how."""
+
+    key: str  # its samples' `server`, and its column in results.json
+    kind: Kind  # "ours" or "mlx_lm"
+    ranks: int
+    mode: str  # "tensor" (every rank its heads) or "pipeline" (every rank its layers)
+
+    @property
+    def label(self) -> str:
+        split = f", {self.ranks} ranks ({self.mode})" if self.ranks > 1 else ", 1 rank"
+        return LABELS[self.kind] + split
+
+
+def worlds(mode: str, ranks: int = 2) -> tuple[World, ...]:
+    """Ours split, ours whole, mlx_lm.server split: in the order they run."""
+    return (
+        World("ours", "ours", ranks, mode),
+        World("ours_1rank", "ours", 1, mode),
+        World("mlx_lm", "mlx_lm", ranks, mode),
+    )
+
+
+@dataclass(slots=True)
+class WorldServer(Server):
+    """A started world: a `Server` whose label names its ranks and split."""
+
+    world: World | None = None
+
+    @property
+    def label(self) -> str:
+        return self.world.label if self.world is not None else LABELS[self.kind]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT_S) -> float:
+        """Stop every process of the world (stop_tree), not only the first; SIGKILL (a
+        world that never got ready) gives it no time to end cleanly."""
+        if self.stopped_rc is not None:  # stopped already: its ids may be another's now
+            return 0.0
+        took = stop_tree(self.proc, timeout if sig == signal.SIGTERM else 0.0)
+        self.stopped_rc = self.proc.returncode
+        return took
+
+
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive free ports (a ring of ranks listens on one each), so
+    that a world's links stay apart from any other world on this machine."""
+    while True:
+        first = servers.free_port()
+        try:
+            for port in range(first, first + n):
+                with socket.socket() as s:
+                    s.bind((HOST, port))
+            return first
+        except OSError:
+            continue
+
+
+def command(
+    world: World,
+    model: ModelSpec,
+    port: int,
+    ring_port: int,
+    cache_dir: Path | None = None,
+    proxy_args: Sequence[str] = (),
+) -> list[str]:
+    """The command line that starts `world` with its HTTP answer on `port`."""
+    if world.kind == "mlx_lm":
+        cmd = [
+            str(MLX_LAUNCH.where()), "--backend", "ring", "-n", str(world.ranks),
+            "--hosts", HOST, "--starting-port", str(ring_port), "--python", sys.executable,
+            "--", "-m", "mlx_lm.server", "--model", str(model.path),
+            "--host", HOST, "--port", str(port),
+        ]  # fmt: skip
+        return cmd + (["--pipeline"] if world.mode == "pipeline" else [])
+    assert cache_dir is not None, "ours needs a cache dir"
+    cmd = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port)]
+    cmd += ["--cache-dir", str(cache_dir), "--model", model.proxy_arg]
+    cmd += ["--upstream", "http://127.0.0.1:9"]  # nothing upstream: fail fast
+    if world.ranks > 1:
+        cmd += ["--ranks", str(world.ranks), "--split", world.mode]
+    return cmd + list(proxy_args)
+
+
+def with_weight_index(model: ModelSpec, work: Path) -> ModelSpec:
+    """The model as mlx_lm.server's split load reads it.
+
+    Its pipeline split looks up each layer's file in model.safetensors.index.json, which
+    mlx_lm.convert writes for every model but a one-file model (the demo models) lacks:
+    then a folder of links to the model's files, plus that index, stands in for it.
+    """
+    if (model.path / INDEX).is_file():
+        return model
+    dest = work / f"{model.path.name}-indexed"
+    if not (dest / INDEX).is_file():
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in model.path.iterdir():
+            link = dest / f.name
+            if not link.exists():
+                link.symlink_to(f.resolve())
+        files = sorted(model.path.glob("*.safetensors"))
+        weight_map = {key: f.name for f in files for key in safetensors_keys(f)}
+        (dest / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return ModelSpec(model.id, dest, is_demo=False)
+
+
+def safetensors_keys(path: Path) -> list[str]:
+    """The tensor names in a .safetensors file's header (8 bytes of length, then JSON)."""
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return [k for k in header if k != "__metadata__"]
+
+
+@contextmanager
+def serving(h: Harness, world: World, model: ModelSpec, tag: str = "") -> Iterator[WorldServer]:
+    """`world` started, ready and warmed up, and stopped as a whole when the block ends."""
+    port, ring_port = servers.free_port(), free_ports(world.ranks)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cache_dir = None
+    if world.kind == "ours":
+        cache_dir = servers.fresh_cache_dir(h.work, f"{world.key}-{world.mode}", model)
+        env[RING_PORT_ENV] = str(ring_port)
+    else:
+        model = with_weight_index(model, h.work)
+    cmd = command(world, model, port, ring_port, cache_dir, h.settings.proxy_args)
+    h.logs.mkdir(parents=True, exist_ok=True)
+    log_path = h.logs / f"{world.key}-{world.mode}-{port}.log"
+    with log_path.open("w") as log:
+        # A session of its own, so one signal reaches every process of the world; a stdin
+        # pipe that stays open, since mlx.launch polls stdin and spins on /dev/null.
+        proc = subprocess.Popen(
+            cmd, cwd=servers.REPO, env=env, stdin=subprocess.PIPE,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    server = WorldServer(
+        world.kind, f"http://{HOST}:{port}", port, proc, log_path, cmd, cache_dir, model,
+        time.perf_counter(), world=world,
+    )  # fmt: skip
+    try:
+        servers.wait_ready(server)
+        h.warm(server, world.key)
+        yield server
+    finally:
+        h.record_server(server, world.key, stop_s=server.stop())
+        if proc.stdin is not None:
+            proc.stdin.close()
+
+
+def stop_tree(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> float:
+    """SIGTERM the world's process group, SIGKILL it after `timeout`, then SIGKILL whatever
+    it started that still runs (our front starts its ranks in a group of their own, which
+    it stops itself unless it was killed). Returns the seconds the stop took."""
+    import psutil
+
+    start = time.perf_counter()
+    try:
+        started = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        started = []
+    _signal_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+    _, alive = psutil.wait_procs(started, timeout=max(1.0, timeout / 6))
+    for p in alive:
+        with suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=10)
+    return time.perf_counter() - start
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
