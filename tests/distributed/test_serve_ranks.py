@@ -34,7 +34,7 @@ SYSTEM = "You are a terse assistant who answers in one line. " * 8
 FILE = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(8))
 COPIED = FILE[: len(FILE) // 2]
 QUESTIONS = ["Name three rivers.", "What is a prompt cache?", "Count to five.", "Say hi."]
-DEADLINE_S = 10.0
+DEADLINE_S = 6.0
 
 
 def _start(cache_dir: Path, forced: Path, ports: int):
