@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from engine_bridge.engine import Engine
-
 from .config.model_settings import ModelSettingsTable
+
+if TYPE_CHECKING:  # the engine loads MLX: the front of a split model (ranks/) never does
+    from engine_bridge.engine import Engine
 
 # Set on every request by the request-id middleware.
 REQUEST_ID = web.RequestKey("request_id", str)
@@ -27,5 +29,5 @@ class ProxySettings:
     stream_keepalive_s: float = 10.0
 
 
-ENGINE = web.AppKey("engine", Engine)
+ENGINE: web.AppKey[Engine] = web.AppKey("engine")
 SETTINGS = web.AppKey("settings", ProxySettings)

@@ -6,7 +6,7 @@ and passes each request on, streams included, byte for byte. It outlives the ran
 they are starting, or being started again after one was lost, a request gets a 503 in its
 dialect's shape saying so, and one cut off by a lost rank ends with that 503 (or, once its
 stream began, the dialect's in-band error) naming the rank. `/health` adds the ranks' state
-to rank 0's answer.
+to rank 0's answer. It loads no MLX (tests/ops/test_layout.py): the ranks hold the model.
 """
 
 from __future__ import annotations

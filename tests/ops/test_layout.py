@@ -179,13 +179,15 @@ def test_the_proxy_reaches_the_engine_only_through_its_public_modules():
 
 
 def test_the_settings_and_offline_tools_load_no_mlx():
-    """The proxy builds and checks `EngineSettings` before any model loads, and the
-    offline `cache` commands read the SSD index; neither may pull in MLX."""
+    """The proxy builds and checks `EngineSettings` before any model loads, the offline
+    `cache` commands read the SSD index, and a split model's front relays to rank 0 and
+    starts the ranks; none may pull in MLX."""
     import subprocess
     import sys
 
     code = (
         "import sys, engine_bridge.engine_settings as s, engine_bridge.offline as o; "
+        "import proxy.ranks.front; o.Ranks, o.command, o.first_host_is_here; "
         "o.offline_stats; s.CachePolicy, s.SpeculativeSettings, s.VisionLimits; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))"
     )
