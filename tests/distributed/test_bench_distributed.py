@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench import SCENARIOS
+from bench import SCENARIOS, traces
 from bench.harness import Harness, Settings
 from bench.prerequisites import MLX_LAUNCH, skip_reason
 from bench.report import main_table
@@ -114,10 +114,12 @@ def test_a_one_file_model_gets_the_weight_index_mlx_lm_pipeline_reads(tmp_path):
     assert with_weight_index(model, tmp_path / "other") == model  # one already there
 
 
-def _samples(server: str, ttft: list[float], cached: list[int | None]) -> list[Sample]:
+def _samples(
+    server: str, ttft: list[float], cached: list[int | None], label: str = "turn"
+) -> list[Sample]:
     return [
         Sample(server=server, step=i, ttft_s=t, total_s=t + 1.0, prompt_tokens=1000,
-               cached_tokens=c, completion_tokens=11, source=None, ok=True, label="turn")
+               cached_tokens=c, completion_tokens=11, source=None, ok=True, label=label)
         for i, (t, c) in enumerate(zip(ttft, cached, strict=True))
     ]  # fmt: skip
 
@@ -127,10 +129,14 @@ def test_the_rows_set_ours_on_two_ranks_against_mlx_lm_and_against_one_rank():
     result.samples += _samples("ours", [3.0, 0.2, 0.4], [0, 900, 900])
     result.samples += _samples("ours_1rank", [2.0, 0.1, 0.1], [0, 900, 900])
     result.samples += _samples("mlx_lm", [4.0, 0.6, 1.0], [None, None, None])
+    # The next turn after the restart: ours from the SSD, mlx_lm cold; neither counts warm.
+    (restarted,) = _samples("ours", [0.5], [960], dist.RESTARTED)
+    restarted.source = "ssd"
+    result.samples += [restarted, *_samples("mlx_lm", [5.0], [0], dist.RESTARTED)]
     split = {"ssd_bytes": [40, 41], "kv_bytes": [0, 0]}
     split |= {"layout": ["tensor 0/2", "tensor 1/2"], "ram_bytes": [500, 510]}
     held = {"ours": split, "ours_1rank": dist.per_rank({"ram": {"bytes": 1000}, "ssd": None})}
-    dist.summarize(result, held)
+    dist.summarize(result, held, "the next call")
     rows = {r.metric: r for r in result.rows}
     assert result.rows[0].metric == dist.HEADLINE
     assert result.rows[0].values == pytest.approx({"ours": 0.3, "mlx_lm": 0.8})
@@ -144,6 +150,13 @@ def test_the_rows_set_ours_on_two_ranks_against_mlx_lm_and_against_one_rank():
     rank1 = rows["cache RAM bytes held by rank 1 (tensor 1/2)"]
     assert (rank1.values, rank1.ratios) == ({"ours": 510}, {"rank 1 / 1 rank": 0.51})
     assert rows["cache RAM bytes, ours on 1 rank"].values == {"ours": 1000}
+    after = rows[dist.RESTART_TTFT]
+    assert (after.values, after.ratios) == ({"ours": 0.5, "mlx_lm": 5.0}, {"mlx_lm / ours": 10.0})
+    assert after.note.startswith("the next call, after every rank")
+    share = rows["cached / prompt tokens of the next turn after a restart, 2 ranks"]
+    assert share.values == {"ours": 0.96, "mlx_lm": 0.0}
+    assert "960 of 1000 prompt tokens from its cache (x-prompt-cache-source: ssd)" in share.note
+    assert result.metrics["after_restart_source_ours"] == "ssd"
     assert result.metrics["rank0_ram_over_1rank"] == 0.5
     assert result.metrics["greedy_outputs_equal_2ranks_vs_1rank"] == 1.0
     assert result.metrics["ssd_bytes_2ranks_rank1"] == 41
@@ -182,6 +195,27 @@ def test_stop_tree_ends_what_the_world_started_in_a_session_of_its_own(tmp_path)
     assert os.getpgid(grandchild.pid) != os.getpgid(proc.pid)
     assert stop_tree(proc, timeout=5) < 15
     assert proc.returncode is not None and not grandchild.is_running()
+
+
+def test_the_turn_after_the_restart_adds_the_sessions_next_tool_round():
+    kw = {"system_chars": 2000, "tool_detail_chars": 0, "result_chars": 800,
+          "compact_tools": True}  # fmt: skip
+    calls = traces.agent_trace(0, calls_per_session=(4 + dist.LOOKAHEAD,), **kw).calls
+    assert calls[:4] == traces.agent_trace(0, calls_per_session=(4,), **kw).calls
+    # The 5th call is a new user request: the turn takes the 6th call's tool round.
+    following, note = dist.next_tool_round(calls[3], calls[4:])
+    last = calls[3].body["messages"]
+    added = following.body["messages"][len(last) :]
+    assert following.body["messages"][: len(last) - 1] == last[:-1]
+    assert added == calls[5].body["messages"][-2:]
+    assert [b["type"] for b in added[0]["content"]][-1] == "tool_use"
+    assert "cache_control" not in following.body["messages"][len(last) - 1]["content"][-1]
+    assert "cache_control" in last[-1]["content"][-1], "the trace's call is left as it was"
+    assert following.body["tools"] == calls[3].body["tools"] and "its call 6 adds" in note
+    # When the very next call is a tool round, it is the turn.
+    assert dist.next_tool_round(calls[0], calls[1:]) == (
+        calls[1], "the session's next call: its last request plus one more tool round",
+    )  # fmt: skip
 
 
 def test_mlx_lm_split_by_layers_serves_the_demo_model_and_leaves_nothing_behind(

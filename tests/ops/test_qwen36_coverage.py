@@ -35,6 +35,8 @@ WHY_NOT: dict[str, str] = {
     "distributed/test_bench_distributed.py": "the bench scenario's own parts (command lines, "
     "rows, the weight index mlx_lm.server's pipeline needs, no process left behind); the "
     "scenario itself splits demo-hybrid, whose layer kinds are Qwen3.6's",
+    "distributed/test_ranks_shared.py": "the shared tier's keys under a split (each rank's "
+    "layout); the split itself of Qwen3.6's shape runs in test_lockstep.py",
     "config/test_config.py": "config parsing names demo ids as strings; no model runs",
     "config/test_model_settings.py": "per-model settings matching; no model runs",
     "config/test_model_settings_http.py": "settings reach the template and sampler the same "

@@ -7,7 +7,10 @@ ours on 1 rank (plain `serve`), and mlx_lm.server's own distributed mode on 2 ra
 cache's work: only the new tokens are prefilled, on every rank), the decode rate (the
 split's work: each token crosses the ranks' links), the share of each prompt from the
 cache, and what each rank's cache holds against the whole model's cache for the same turns
-(each rank holds its slice of every block: about half on two ranks).
+(each rank holds its slice of every block: about half on two ranks). Then both split worlds
+are restarted whole (every rank stopped cleanly, started again: ours on the same cache dir)
+and get the session's next call: ours should load its prefix back from every rank's SSD,
+where mlx_lm.server, whose cache lives in RAM only, starts cold.
 
 Ranks on one machine share its cores, so on a small CPU the split is slower than the whole
 model; the ratios, measured side by side, are what to read, never the bare seconds.
@@ -15,6 +18,7 @@ model; the ratios, measured side by side, are what to read, never the bare secon
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,7 +28,7 @@ from ... import traces
 from ...harness import Harness, Settings, resolve_model, stats
 from ...results import Row, Sample, ScenarioResult, mean, ratio, total
 from ...servers import ModelSpec
-from .worlds import World, WorldServer, serving, worlds
+from .worlds import World, WorldServer, restart, serving, worlds
 
 MODEL = "demo-hybrid"  # Qwen3.5's layer kinds; splits by heads and by layers alike
 MODES = ("tensor", "pipeline")
@@ -38,6 +42,11 @@ SETTLE_POLL_S = 2.0
 SETTLE_POLLS = 8
 
 HEADLINE = f"mean TTFT of warm agent turns (2..N), {RANKS} ranks (s)"
+RESTARTED = "after-restart"  # the label of the next turn's sample, after the restart
+RESTART_TTFT = "TTFT of the next turn after a restart of every rank (s)"
+# Calls the trace goes on past the turns, to find the session's next tool round in: every
+# fifth call of a session is a new user request, the others tool rounds.
+LOOKAHEAD = 5
 TARGETS = (
     "target mlx_lm / ours ≥ 2 (ours ≤ 0.5× mlx_lm.server's distributed mode); "
     "each rank ≈ 1/2 of the whole model's cache"
@@ -46,7 +55,8 @@ TARGETS = (
 
 @dataclass(frozen=True, slots=True)
 class Sizes:
-    """The agent session: one session of `calls` requests, and the tokens each generates."""
+    """The agent session: one session of `calls` requests (then the next turn, sent after
+    the restart), and the tokens each generates."""
 
     calls: int
     system_chars: int
@@ -66,9 +76,11 @@ def distributed(settings: Settings, model: ModelSpec) -> list[ScenarioResult]:
     """Ours split, ours whole and mlx_lm.server split, on each split mode of demo-hybrid."""
     spec = split_model(settings)
     sizes = Sizes.of(settings)
+    # The session goes on past the turns, for the next turn after the restart (a session's
+    # first calls do not depend on how many follow): run_split sends `sizes.calls` turns.
     trace = traces.agent_trace(
         settings.seed,
-        calls_per_session=(sizes.calls,),
+        calls_per_session=(sizes.calls + LOOKAHEAD,),
         system_chars=sizes.system_chars,
         tool_detail_chars=sizes.tool_detail_chars,
         result_chars=sizes.result_chars,
@@ -111,37 +123,88 @@ def run_split(
 ) -> ScenarioResult:
     result = ScenarioResult("distributed", _name(model, mode))
     held: dict[str, dict[str, list[Any]]] = {}
+    turns = trace.calls[: sizes.calls]
+    following, next_turn = next_tool_round(turns[-1], trace.calls[sizes.calls :])
     with Harness(settings, result, model) as h:
         for world in worlds(mode, RANKS):
             h.progress(f"{mode}: starting", world.label)
             with serving(h, world, model) as server:
-                for i, call in enumerate(trace.calls):
+                for i, call in enumerate(turns):
                     sample = send(h, server, world, call, i, sizes.max_tokens)
-                    h.progress(f"{mode} turn {i + 1}/{len(trace.calls)}", world.key, sample)
+                    h.progress(f"{mode} turn {i + 1}/{len(turns)}", world.key, sample)
                 if world.kind == "ours":
                     held[world.key] = holdings(server, world)
                     h.progress(f"{mode}: cache RAM bytes by rank {held[world.key]}", world.key)
-    result.metrics |= {"calls": len(trace.calls), "max_tokens": sizes.max_tokens}
-    summarize(result, held)
+                if world.ranks > 1:
+                    after_restart(h, server, world, following, len(turns), sizes.max_tokens)
+    result.metrics |= {"calls": len(turns), "max_tokens": sizes.max_tokens}
+    summarize(result, held, next_turn)
     result.notes.append(
         "ours gets the Anthropic request, mlx_lm.server the same call converted to OpenAI "
         "(traces.to_openai); the servers ran one at a time, in the order ours on 2 ranks, "
-        "ours on 1 rank, mlx_lm.server on 2 ranks"
+        "ours on 1 rank, mlx_lm.server on 2 ranks; each 2-rank world was restarted after "
+        "its turns and sent the next turn"
     )
     return result.finish()
 
 
 def send(
     h: Harness, server: WorldServer, world: World, call: traces.AgentCall, step: int,
-    max_tokens: int,
+    max_tokens: int, label: str = "turn",
 ) -> Sample:  # fmt: skip
     body = call.anthropic(server.model_name, max_tokens)
     if world.kind == "mlx_lm":
-        sample = h.send(server, "openai", traces.to_openai(body), step)
+        sample = h.send(server, "openai", traces.to_openai(body), step, label)
     else:
-        sample = h.send(server, "anthropic", body, step)
+        sample = h.send(server, "anthropic", body, step, label)
     sample.server = world.key  # ours on 2 ranks and on 1 are both kind "ours"
     return sample
+
+
+def after_restart(
+    h: Harness, server: WorldServer, world: World, call: traces.AgentCall, step: int,
+    max_tokens: int,
+) -> None:  # fmt: skip
+    """Restart the whole world, then send the session's next call; for ours, read what
+    each rank holds in RAM once that call is served (each loaded its slices back). A world
+    that does not come back is an error of this result, which keeps the turns' rows."""
+    h.progress(f"{world.mode}: restarting every rank (SIGTERM, start again)", world.key)
+    try:
+        server = restart(h, server)
+    except Exception as e:  # not ready again: its log's tail is in the message
+        h.result.errors.append(f"{world.label} restart: {type(e).__name__}: {e}")
+        return
+    sample = send(h, server, world, call, step, max_tokens, RESTARTED)
+    h.progress(f"{world.mode} next turn after the restart", world.key, sample)
+    if world.kind == "ours":
+        by_rank = per_rank(stats(server)).get("ram_bytes") or []
+        h.progress(f"{world.mode}: cache RAM bytes by rank after it {by_rank}", world.key)
+        h.result.metrics |= {f"after_restart_ram_bytes_rank{i}": b for i, b in enumerate(by_rank)}
+
+
+def next_tool_round(
+    last: traces.AgentCall, later: Iterable[traces.AgentCall]
+) -> tuple[traces.AgentCall, str]:
+    """The turn after the restart: `last`'s request plus the session's next tool round,
+    and what it is, in words. The session's very next call when that is a tool round;
+    a new user request is skipped, since a Qwen-style template then drops every earlier
+    round's thinking from the prompt, and with it most of the cached prefix."""
+    for n, call in enumerate(later):
+        *_, uses, results = call.body["messages"]
+        if not any(b["type"] == "tool_use" for b in uses["content"]):
+            continue
+        if n == 0:
+            return call, "the session's next call: its last request plus one more tool round"
+        messages = copy.deepcopy(last.body["messages"])
+        for block in messages[-1]["content"]:
+            block.pop("cache_control", None)  # it marks the newest message only
+        body = last.body | {"messages": [*messages, uses, results]}
+        return traces.AgentCall(last.session, last.index + 1, body), (
+            "the session's last request plus one more tool round, the one its call "
+            f"{call.index + 1} adds (its next call is a new user request, on which the "
+            "template drops every earlier round's thinking)"
+        )
+    raise ValueError("no tool round after the session's last turn")
 
 
 def holdings(server: WorldServer, world: World) -> dict[str, list[Any]]:
@@ -197,7 +260,9 @@ def hit_ratio(samples: Iterable[Sample]) -> float | None:
     return ratio(total(s.cached_tokens for s in told), total(s.prompt_tokens for s in told))
 
 
-def summarize(result: ScenarioResult, held: dict[str, dict[str, list[Any]]]) -> None:
+def summarize(
+    result: ScenarioResult, held: dict[str, dict[str, list[Any]]], next_turn: str = ""
+) -> None:
     warm = {k: result.of(k)[1:] for k in KEYS}
     ttft = {k: mean(s.ttft_s for s in v) for k, v in warm.items()}
     decode = {k: decode_rate(result.of(k)) for k in KEYS}
@@ -222,6 +287,7 @@ def summarize(result: ScenarioResult, held: dict[str, dict[str, list[Any]]]) -> 
             {"ours": hits["ours"], "mlx_lm": hits["mlx_lm"]}),
         Row(f"token hit ratio of warm turns, {one}", {"ours": hits["ours_1rank"]}),
     ]  # fmt: skip
+    _restart_rows(result, next_turn)
     _holding_rows(result, held)
     result.metrics |= {
         "warm_ttft_mlx_lm_over_ours": ratio(ttft["mlx_lm"], ttft["ours"]),
@@ -237,6 +303,37 @@ def summarize(result: ScenarioResult, held: dict[str, dict[str, list[Any]]]) -> 
     result.metrics["greedy_outputs_equal_2ranks_vs_1rank"] = sum(same) / len(same) if same else None
     if all(s.cached_tokens is None for s in result.of("mlx_lm")):
         result.notes.append("mlx_lm.server reported no cached tokens: its hit ratio is null")
+
+
+def _restart_rows(result: ScenarioResult, next_turn: str) -> None:
+    after = {k: (result.of(k, RESTARTED) or [None])[0] for k in ("ours", "mlx_lm")}
+    ttft = {k: s.ttft_s if s else None for k, s in after.items()}
+    cached = {k: s.cached_tokens if s else None for k, s in after.items()}
+    share = {k: ratio(s.cached_tokens, s.prompt_tokens) if s else None for k, s in after.items()}
+    ours, last = after["ours"], (result.of("ours") or [None])[-1]
+    told = (
+        f"ours: {ours.cached_tokens} of {ours.prompt_tokens} prompt tokens from its cache "
+        f"(x-prompt-cache-source: {ours.source}); the last turn before the restart had "
+        f"{last.prompt_tokens if last else None} prompt tokens"
+        if ours
+        else "ours: no sample"
+    )
+    result.rows += [
+        Row(RESTART_TTFT, ttft, {"mlx_lm / ours": ratio(ttft["mlx_lm"], ttft["ours"])},
+            note=f"{next_turn or 'the next call'}, after every rank of each "
+            f"{RANKS}-rank world was stopped (SIGTERM; ours drains each rank's SSD writes) "
+            "and started again (ours on the same cache dir, mlx_lm.server with the same "
+            "arguments; both on fresh ports); a warm-up request pays the model load, not "
+            "these numbers"),
+        Row(f"cached / prompt tokens of the next turn after a restart, {RANKS} ranks", share,
+            note=told + "; mlx_lm.server keeps its cache in RAM only: expected cold"),
+    ]  # fmt: skip
+    result.metrics |= {
+        "after_restart_ttft_mlx_lm_over_ours": ratio(ttft["mlx_lm"], ttft["ours"]),
+        "after_restart_cached_tokens_ours": cached["ours"],
+        "after_restart_cached_tokens_mlx_lm": cached["mlx_lm"],
+        "after_restart_source_ours": ours.source if ours else None,
+    }
 
 
 def _holding_rows(result: ScenarioResult, held: dict[str, dict[str, list[Any]]]) -> None:

@@ -4,7 +4,8 @@ Ours on two ranks is `serve --ranks 2`: a front process that starts both ranks t
 `mlx.launch` (in a process group of their own) and relays to rank 0. mlx_lm.server's own
 distributed mode is `mlx.launch ... -- -m mlx_lm.server`, whose rank 0 answers HTTP. Each
 world starts in a session of its own and is stopped as a tree: a rank left behind would
-hold a CPU of a 2-core machine and every later number with it.
+hold a CPU of a 2-core machine and every later number with it. A world can be restarted
+whole (`restart`): stopped cleanly, then started again on the same cache dir.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class WorldServer(Server):
     """A started world: a `Server` whose label names its ranks and split."""
 
     world: World | None = None
+    key: str = ""  # its entry in result.servers: world.key, or world.key + "-restarted"
 
     @property
     def label(self) -> str:
@@ -76,6 +78,8 @@ class WorldServer(Server):
             return 0.0
         took = stop_tree(self.proc, timeout if sig == signal.SIGTERM else 0.0)
         self.stopped_rc = self.proc.returncode
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
         return took
 
 
@@ -150,19 +154,49 @@ def safetensors_keys(path: Path) -> list[str]:
 
 
 @contextmanager
-def serving(h: Harness, world: World, model: ModelSpec, tag: str = "") -> Iterator[WorldServer]:
-    """`world` started, ready and warmed up, and stopped as a whole when the block ends."""
-    port, ring_port = servers.free_port(), free_ports(world.ranks)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def serving(h: Harness, world: World, model: ModelSpec) -> Iterator[WorldServer]:
+    """`world` started, ready and warmed up, and stopped as a whole when the block ends
+    (or the world `restart` started in its place)."""
     cache_dir = None
     if world.kind == "ours":
         cache_dir = servers.fresh_cache_dir(h.work, f"{world.key}-{world.mode}", model)
-        env[RING_PORT_ENV] = str(ring_port)
     else:
         model = with_weight_index(model, h.work)
+    server = h.fleet.add(launch(h, world, model, cache_dir, world.key))
+    try:
+        _ready(h, server)
+        yield server
+    finally:
+        for s in [s for s in h.fleet.servers if isinstance(s, WorldServer) and s.world == world]:
+            h.record_server(s, s.key, stop_s=s.stop())
+            h.fleet.servers.remove(s)
+
+
+def restart(h: Harness, server: WorldServer) -> WorldServer:
+    """Stop every process of the world cleanly (our front stops its ranks, each draining
+    its SSD writes, before it exits), then start the same command again: ours on the same
+    cache dir, mlx_lm.server with the same arguments; both on fresh ports, since a port
+    just closed may still be held. Returns the new world, ready and warmed up (the model
+    load is paid there, not by the next turn); `serving` stops it."""
+    assert server.world is not None
+    h.record_server(server, server.key, stop_s=server.stop())
+    new = launch(h, server.world, server.model, server.cache_dir, f"{server.key}-restarted")
+    h.fleet.replace(server, new)
+    _ready(h, new)
+    return new
+
+
+def launch(
+    h: Harness, world: World, model: ModelSpec, cache_dir: Path | None, key: str
+) -> WorldServer:
+    """Start `world` (not yet ready) with its HTTP answer and its ranks' links on free ports."""
+    port, ring_port = servers.free_port(), free_ports(world.ranks)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if world.kind == "ours":
+        env[RING_PORT_ENV] = str(ring_port)
     cmd = command(world, model, port, ring_port, cache_dir, h.settings.proxy_args)
     h.logs.mkdir(parents=True, exist_ok=True)
-    log_path = h.logs / f"{world.key}-{world.mode}-{port}.log"
+    log_path = h.logs / f"{key}-{world.mode}-{port}.log"
     with log_path.open("w") as log:
         # A session of its own, so one signal reaches every process of the world; a stdin
         # pipe that stays open, since mlx.launch polls stdin and spins on /dev/null.
@@ -170,18 +204,15 @@ def serving(h: Harness, world: World, model: ModelSpec, tag: str = "") -> Iterat
             cmd, cwd=servers.REPO, env=env, stdin=subprocess.PIPE,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-    server = WorldServer(
+    return WorldServer(
         world.kind, f"http://{HOST}:{port}", port, proc, log_path, cmd, cache_dir, model,
-        time.perf_counter(), world=world,
+        time.perf_counter(), world=world, key=key,
     )  # fmt: skip
-    try:
-        servers.wait_ready(server)
-        h.warm(server, world.key)
-        yield server
-    finally:
-        h.record_server(server, world.key, stop_s=server.stop())
-        if proc.stdin is not None:
-            proc.stdin.close()
+
+
+def _ready(h: Harness, server: WorldServer) -> None:
+    servers.wait_ready(server)
+    h.warm(server, server.key)
 
 
 def stop_tree(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> float:
