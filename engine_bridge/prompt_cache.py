@@ -271,9 +271,15 @@ class CacheSession:
         on_disk = read.on_disk if read is not None else None
         lost = self.tiers.lost(self.chain, self.scope, restored // self.bs, positions, on_disk)
         policy = self.owner.policy
+        # Where the prompt left a sequence RAM holds, unless a tier below restored past it
+        # (after a restart RAM may hold only a warm-up, which the prompt leaves at once):
+        # then that divergence did not cut this hit short, and naming it would mislead.
+        lcp = (
+            hit.diverged_at if hit.diverged_at is not None and hit.diverged_at >= restored else None
+        )
         report = LookupReport(
             restored,
-            hit.diverged_at,
+            lcp,
             self.bs,
             hit.needs_checkpoint,
             policy.checkpoint_interval,
@@ -281,7 +287,6 @@ class CacheSession:
             tuple(read.late) if read is not None else (),
             read.late_reach if read is not None else 0,
         )
-        lcp = hit.diverged_at
         if lcp is not None:
             tokens, decode = self.chain.tokens, self.owner.loaded.tokenizer.decode
             report.message = prompt.message_at(lcp)

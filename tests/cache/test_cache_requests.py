@@ -283,6 +283,31 @@ def test_a_turn_whose_blocks_ram_evicted_is_evicted_ram(demo_root, tmp_path):
         s.stop()
 
 
+def test_a_hit_from_ssd_past_where_ram_diverged_names_no_divergence(demo_root, tmp_path):
+    """After a restart RAM may hold only another prompt, which this one leaves at its first
+    tokens; the SSD restores far past there, so no divergence cut the hit short."""
+    cache = fresh_cache_dir(demo_root, tmp_path / "c")
+    args = ("--model", LLAMA, "--upstream", "http://127.0.0.1:9")
+    turn = [{"role": "system", "content": long_system(8, salt="Restarted. ")}, QUESTION]
+    first = start_server(cache, *args)
+    try:
+        ask(oai(first, "t"), turn, session="a", rid="a-1")
+    finally:
+        first.stop()
+    second = start_server(cache, *args)
+    try:
+        client = oai(second, "t")
+        ask(client, [{"role": "user", "content": "Something else."}], session="b", rid="b-1")
+        headers = ask(client, turn, session="a", rid="a-2")[1]
+        assert headers["x-prompt-cache-source"] == "ssd"
+        assert int(headers["x-prompt-cache-hit-tokens"]) > 64
+        assert DIVERGED not in headers
+        record = {r["id"]: r for r in recent(second, "t")["requests"]}["a-2"]
+        assert record["diverged_at"] is None
+    finally:
+        second.stop()
+
+
 # --- the hit-ratio alert -------------------------------------------------------------------
 
 
