@@ -28,7 +28,7 @@ from proxy.dialects.sse import SSEWriter
 from proxy.errors import ApiError, dialect_for, error_response
 from proxy.security import BrowserPolicy, browser_safety, setup_browser_safety
 from proxy.upstream.headers import HOP_BY_HOP, REQUEST_ONLY_DROP, filtered
-from proxy.upstream.relay import EventStream
+from proxy.upstream.relay import EventStream, mirror
 
 from .supervisor import Supervisor, WorldState
 
@@ -151,21 +151,14 @@ async def _relay(request: web.Request, rank0: str, body: bytes | None) -> web.St
     except (aiohttp.ClientError, TimeoutError) as e:
         log.warning("%s %s: rank 0 did not answer: %s", request.method, request.path, e)
         raise ApiError(503, await request.app[SUPERVISOR].lost(), code="rank_lost") from None
-    completed = False
-    try:
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        response.headers.extend(filtered(upstream.headers, HOP_BY_HOP))
-        await response.prepare(request)
+
+    async def copy(response: web.StreamResponse) -> bool:
         streaming = upstream.content_type == "text/event-stream"
         events = EventStream(responses=request.path == _RESPONSES_ROUTE) if streaming else None
         request[_STARTED] = (response, events)
-        completed = await _copy(request, upstream, response, events)
-        return response
-    finally:
-        if completed:
-            upstream.release()
-        else:
-            upstream.close()
+        return await _copy(request, upstream, response, events)
+
+    return await mirror(request, upstream, copy)
 
 
 async def _copy(

@@ -29,7 +29,7 @@ from proxy.upstream.client import (
 )
 from proxy.upstream.headers import HOP_BY_HOP, REQUEST_ONLY_DROP, filtered, with_token
 from proxy.upstream.model_list import MODELS_CACHE, ModelsCache
-from proxy.upstream.relay import EventStream
+from proxy.upstream.relay import EventStream, mirror
 from proxy.upstream.websocket import forward_websocket, is_websocket
 
 log = logging.getLogger(__name__)
@@ -70,21 +70,7 @@ async def forward(request: web.Request, body: bytes | None = None) -> web.Stream
     except (aiohttp.ClientError, TimeoutError) as exc:
         return upstream_failed(request, config, exc)
 
-    # close() drops the connection (the upstream sees the client's disconnect and stops
-    # generating); release() returns a fully read one to the pool.
-    drained = False
-    try:
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        # Content-Length and Content-Encoding stay: the bytes are passed through untouched.
-        response.headers.extend(filtered(upstream.headers, HOP_BY_HOP))
-        await response.prepare(request)
-        drained = await _relay_body(request, config, upstream, response)
-        return response
-    finally:
-        if drained:
-            upstream.release()
-        else:
-            upstream.close()
+    return await mirror(request, upstream, lambda r: _relay_body(request, config, upstream, r))
 
 
 async def _relay_body(

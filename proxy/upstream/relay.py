@@ -1,4 +1,5 @@
-"""An upstream's event stream, passed on to the client whole events at a time.
+"""An upstream's answer passed on to the client (`mirror`), and its event stream whole
+events at a time (`EventStream`).
 
 Holding an event back until its blank line arrives costs nothing in practice (servers
 write whole events) and means that when the upstream fails, the client is left on an event
@@ -9,7 +10,38 @@ JSON would make its SDK fail on a parse error instead of naming the cause.
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from proxy.upstream.headers import HOP_BY_HOP, filtered
+
+
+async def mirror(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    copy: Callable[[web.StreamResponse], Awaitable[bool]],
+) -> web.StreamResponse:
+    """A response with the upstream's status and headers (Content-Length and
+    Content-Encoding stay: the bytes pass untouched), its body written by `copy`, which
+    says whether it read the upstream's body to its end. A drained connection goes back
+    to the pool (`release`); any other is dropped (`close`), and the upstream sees the
+    client's disconnect and stops generating."""
+    drained = False
+    try:
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        response.headers.extend(filtered(upstream.headers, HOP_BY_HOP))
+        await response.prepare(request)
+        drained = await copy(response)
+        return response
+    finally:
+        if drained:
+            upstream.release()
+        else:
+            upstream.close()
+
 
 # One event larger than this is passed on unfinished rather than held in memory.
 HELD_MAX = 1 << 20
