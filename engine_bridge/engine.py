@@ -293,14 +293,16 @@ class Engine:
         """Background upkeep while serving: memory, idle models, idle sessions, and across
         ranks what each rank holds (for /metrics)."""
         work = [self.models.janitor(), self._session_admin.upkeep()]
-        if self.figures is not None:
+        if self.figures is not None and self.world.leader:
             work.append(self._gather_ranks())
         try:
             await asyncio.gather(*work)
         except (EngineHalted, EngineError) as e:
-            if self.halted() is None:
+            # Work refused by a scheduler that stopped (a follower's, once rank 0 closed)
+            # or halted ends the upkeep; any other error is a bug.
+            if isinstance(e, EngineError) and self.halted() is None:
                 raise
-            log.warning("upkeep stops: %s", e)  # the engine stopped for good
+            log.warning("upkeep stops: %s", e)
 
     # -- a request's one way in -----------------------------------------------------------
 
@@ -424,7 +426,7 @@ class Engine:
             raise RuntimeError("only a follower rank follows")
         # This rank's own upkeep: its memory guard and its sessions' TTL (what it holds,
         # never what it computes: the ranks agree on each lookup). Rank 0 alone unloads.
-        upkeep = threading.Thread(target=asyncio.run, args=(self._follower_upkeep(),),
+        upkeep = threading.Thread(target=asyncio.run, args=(self.janitor(),),
                                   name="rank-upkeep", daemon=True)  # fmt: skip
         upkeep.start()
         try:
@@ -435,12 +437,6 @@ class Engine:
             self.tiers.close(self.settings.ssd_drain_s)
             self.sessions.close()
             self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
-
-    async def _follower_upkeep(self) -> None:
-        try:
-            await asyncio.gather(self.models.janitor(), self._session_admin.upkeep())
-        except (EngineHalted, EngineError) as e:
-            log.warning("upkeep stops: %s", e)
 
     async def close(self) -> None:
         if self.figures is not None:

@@ -29,17 +29,25 @@ def can_split(model: nn.Module, mode: Mode) -> bool:
     return callable(getattr(inner, "pipeline", None))
 
 
+def refusal(model: nn.Module, world: World) -> str | None:
+    """Why `model` cannot be split as `world` asks, naming its class and the mode that
+    would work; None when it can."""
+    if can_split(model, world.mode):
+        return None
+    name = type(model).__module__.rpartition(".")[2] + "." + type(model).__name__
+    how = "shard(group)" if world.mode == Mode.TENSOR else "model.pipeline(group)"
+    other = Mode.PIPELINE if world.mode == Mode.TENSOR else Mode.TENSOR
+    hint = f'; try mode = "{other}"' if can_split(model, other) else ""
+    return (
+        f"{name} cannot be split in {world.mode} mode across {world.size} ranks: "
+        f"mlx-lm gives it no {how}{hint}"
+    )
+
+
 def split(model: nn.Module, world: World) -> nn.Module:
     """`model` (lazily loaded) cut to this rank's part, its weights then read."""
-    if not can_split(model, world.mode):
-        name = type(model).__module__.rpartition(".")[2] + "." + type(model).__name__
-        how = "shard(group)" if world.mode == Mode.TENSOR else "model.pipeline(group)"
-        other = Mode.PIPELINE if world.mode == Mode.TENSOR else Mode.TENSOR
-        hint = f'; try mode = "{other}"' if can_split(model, other) else ""
-        raise NotShardable(
-            f"{name} cannot be split in {world.mode} mode across {world.size} ranks: "
-            f"mlx-lm gives it no {how}{hint}"
-        )
+    if (why := refusal(model, world)) is not None:
+        raise NotShardable(why)
     if world.mode == Mode.TENSOR:
         model.shard(world.group)
     else:

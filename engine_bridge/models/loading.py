@@ -22,7 +22,7 @@ from mlx_lm.utils import load as mlx_load
 from mlx_lm.utils import load_model, load_tokenizer
 
 from .. import kv
-from ..distributed.shard import NotShardable, can_split, load_split, split
+from ..distributed.shard import NotShardable, load_split, refusal
 from ..distributed.world import ALONE, World
 from ..prompting.output_format import OutputFormat
 from ..prompting.prefix_memo import PrefixMemo
@@ -142,11 +142,8 @@ def check_split(ref: ModelRef, world: World) -> None:
     if vision.can_load(config):
         raise EngineError(f"{ref.id} is a vision model, which runs on one rank only")
     model, _ = load_model(ref.path, lazy=True)
-    if not can_split(model, world.mode):
-        try:
-            split(model, world)  # raises NotShardable, naming the class and what would work
-        except NotShardable as e:
-            raise EngineError(f"{ref.id}: {e}", field="model") from e
+    if (why := refusal(model, world)) is not None:
+        raise EngineError(f"{ref.id}: {why}", field="model")
 
 
 def load(ref: ModelRef, world: World = ALONE) -> LoadedModel:

@@ -186,8 +186,7 @@ class LockstepLoop:
 
     lockstep: Lockstep | None
     _cond: threading.Condition
-    # Rank 0's objects of the step being shared (each op's future or pending request).
-    _taken: list[dict] = []
+    _taken: list[dict]  # rank 0's objects of the step being shared (scheduler.py)
 
     def _watch(self) -> None:
         """Rank 0: end the requests of a step the other ranks leave unanswered (their

@@ -151,6 +151,9 @@ class Scheduler(LockstepLoop):
         self._adds: deque[ModelQueue] = deque()
         self._removes: deque[ModelQueue] = deque()
         self._shared: deque[tuple[str, tuple, concurrent.futures.Future]] = deque()
+        # Rank 0's own objects (futures, pending requests) of the step being shared: out of
+        # the queues and not yet applied, so a halt meanwhile ends them too.
+        self._taken: list[dict] = []
         self.stats = SchedulerStats(
             max_batch=self.settings.max_batch,
             max_queue=self.settings.max_queue,
