@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.conftest import free_ports, fresh_cache_dir, start_server
-from tests.support.redis_helpers import REDIS_SERVER, SKIP_REASON, RedisServer
+from tests.support.redis_helpers import redis_fixture
 
 SYSTEM = "You are a careful assistant who answers briefly and plainly. " * 10
 QUESTION = "Name three rivers."
@@ -18,11 +18,7 @@ QUESTION = "Name three rivers."
 
 @pytest.fixture(scope="module")
 def redis_store(tmp_path_factory):
-    if REDIS_SERVER is None:
-        pytest.skip(SKIP_REASON)
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
+    yield from redis_fixture(tmp_path_factory.mktemp("redis"))
 
 
 def _serve(demo_root, tmp_path_factory, name: str, url: str, *ranks: str):

@@ -15,18 +15,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.scenarios.shared_relay import DelayRelay
 from tests.cache.test_cache_http import ask_openai, long_system
 from tests.conftest import QWEN36, fresh_cache_dir, start_server
-from tests.support.redis_helpers import REDIS_SERVER, SKIP_REASON, RedisServer
+from tests.support.redis_helpers import RedisServer, redis_fixture
 
 LLAMA, HYBRID = "demo-llama", "demo-hybrid"
 
 
 @pytest.fixture(scope="module")
 def redis_store(tmp_path_factory):
-    if REDIS_SERVER is None:
-        pytest.skip(SKIP_REASON)
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
+    yield from redis_fixture(tmp_path_factory.mktemp("redis"))
 
 
 @pytest.fixture(scope="module")
