@@ -32,7 +32,7 @@ from .engine_settings import EngineSettings  # callers import it with Engine, fr
 from .models import discovery
 from .models import loading as models
 from .models.demo import DEMO_MODEL_IDS
-from .ops import heap
+from .ops import diagnosis_report, heap
 from .ops.memory import default_kv_memory, mlx_memory
 from .ops.request_log import RequestLog, RequestRecord
 from .ops.request_stats import RequestStats
@@ -258,6 +258,17 @@ class Engine:
         """Requests by (model, miss reason) since start."""
         return self.request_log.reason_totals()
 
+    def diagnosis(self, window_s: float | None = None, **only: str | None) -> dict[str, Any]:
+        """The window's tokens computed again, ranked by cause, each with its fix; `only`:
+        model, tenant or session. Reads the SSD's index: call it off the event loop."""
+        ctx = diagnosis_report.context(self.settings, self.tiers.stats(),
+                                       self.models.memory.pressure, self.template_defaults)  # fmt: skip
+        return diagnosis_report.report(self.request_log.diagnosis, ctx, window_s, **only)
+
+    def lost_tokens(self) -> dict[tuple[str, str], int]:
+        """Tokens computed again by (model, cause) since start (/metrics)."""
+        return self.request_log.diagnosis.totals()
+
     # -- client sessions (/v1/cache/sessions, DELETE /v1/cache) ---------------------------
 
     async def list_sessions(self, tenant: str | None) -> list[SessionView]:
@@ -471,7 +482,11 @@ def _tiers(settings: EngineSettings, root: Path) -> TieredCache:
 
         shared = SharedTier(SharedStore(settings.shared))
     return TieredCache(
-        CacheManager(settings.ram_budget_bytes, block_size=settings.cache_policy.block_size),
+        CacheManager(
+            settings.ram_budget_bytes,
+            block_size=settings.cache_policy.block_size,
+            keep_newest_periodic=settings.cache_policy.keep_periodic,
+        ),  # fmt: skip
         ssd,
         kv.HostCodec(),
         write_through=settings.ssd_write_through,

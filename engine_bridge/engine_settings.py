@@ -49,6 +49,10 @@ class CachePolicy:
     block_size: int = 64
     # Snapshot models also checkpoint every this many tokens of a long prefill.
     checkpoint_interval: int = 1024
+    # Keep each path's newest periodic checkpoint when a deeper one of another kind comes
+    # (a prompt that changes a long message's end then resumes near it); False: only
+    # message boundaries outlive the request (one checkpoint fewer per path).
+    keep_periodic: bool = False
     # 0 keeps K/V exact; 8 or 4 quantizes stored blocks (smaller, slightly lossy).
     quantize_bits: int = 0
     # Log, once per request, where a prompt left the nearest cached sequence.

@@ -137,6 +137,10 @@ class CacheSession:
         self.lookup: LookupReport | None = None  # set by `restore`
         self._read: Prefetched | None = None  # set by `read_ahead`, taken by `restore`
 
+    def decode(self, tokens: list[int]) -> str:
+        """Text of `tokens` (the request log quotes what a client changed)."""
+        return self.owner.loaded.tokenizer.decode(tokens)
+
     # -- restore ---------------------------------------------------------------------------
 
     async def read_ahead(self) -> None:

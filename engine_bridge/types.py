@@ -29,6 +29,21 @@ MissReason = Literal[
     "partial",
     "tier_late",
 ]
+# Why prompt tokens were computed again (ops/diagnosis.py, GET /v1/cache/diagnosis).
+Cause = Literal[
+    "new_content",
+    "evicted",
+    "evicted_ssd",
+    "expired",
+    "client_rewrote",
+    "template_dropped_reasoning",
+    "template_changed",
+    "checkpoint_spacing",
+    "other_tenant_or_model",
+    "tier_fault",
+    "bypass",
+    "unexplained",
+]
 FinishReason = Literal["stop", "length", "stop_string", "cancelled"]
 
 

@@ -15,7 +15,7 @@ from engine_bridge.logctx import request_id
 from engine_bridge.types import EngineError
 
 from .cache_api import admin as cache_admin
-from .cache_api import dashboard, metrics
+from .cache_api import alerts, dashboard, metrics
 from .cache_api import inspect as cache_inspect
 from .cache_api.proxy_stores import proxy_stats
 from .config.model import UpstreamConfig
@@ -187,7 +187,8 @@ async def cache_stats(request: web.Request) -> web.Response:
         await engine.rank_stats()  # what each rank holds now, into the stats below
     stats = await asyncio.to_thread(engine.stats)
     # The proxy's own stores, read on the loop that changes them.
-    return web.json_response({**stats, "proxy": proxy_stats(request.app)})
+    body = {**stats, "alerts": alerts.active(request.app), "proxy": proxy_stats(request.app)}
+    return web.json_response(body)
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
@@ -222,6 +223,7 @@ def create_app(
     setup_passthrough(app, upstream or UpstreamConfig())
     setup_browser_safety(app, policy or BrowserPolicy())
     metrics.setup_metrics(app)
+    alerts.setup_alerts(app)
 
     async def lifecycle(app: web.Application):
         janitor = asyncio.create_task(engine.janitor())

@@ -16,6 +16,20 @@ if TYPE_CHECKING:  # the engine loads MLX: the front of a split model (ranks/) n
 REQUEST_ID = web.RequestKey("request_id", str)
 
 
+@dataclass(frozen=True, slots=True)
+class AlertRules:
+    """[alerts], read: what raises an alert (engine_bridge/ops/alerts.py), how often the
+    diagnosis is read for it, and where notices go besides the log."""
+
+    webhook: str | None = None
+    window_s: float = 900.0
+    interval_s: float = 10.0
+    hit_ratio: float = 0.5
+    cause_share: float = 0.3
+    min_tokens: int = 4096
+    repeat_s: float = 900.0
+
+
 @dataclass(slots=True)
 class ProxySettings:
     max_body_bytes: int = 32 << 20
@@ -27,6 +41,8 @@ class ProxySettings:
     model_settings: ModelSettingsTable = field(default_factory=ModelSettingsTable)
     # Seconds a stream may stay silent before the dialect sends its keepalive beat; 0: never.
     stream_keepalive_s: float = 10.0
+    # [alerts]: when a diagnosis raises an alert, and where it goes (cache_api/alerts.py).
+    alerts: AlertRules = field(default_factory=AlertRules)
 
 
 ENGINE: web.AppKey[Engine] = web.AppKey("engine")

@@ -31,7 +31,7 @@ from .config.units import (
     resolve_ram_budget,
     resolve_share_of_ram,
 )
-from .state import ProxySettings
+from .state import AlertRules, ProxySettings
 from .upstream.one_copy import UnloadDuplicates
 
 
@@ -81,6 +81,7 @@ def engine_settings(config: Config, rank: bool = False) -> EngineSettings:
         cache_policy=CachePolicy(
             block_size=cache.block_size,
             checkpoint_interval=cache.ram.checkpoint_interval,
+            keep_periodic=cache.ram.keep_periodic,
             quantize_bits=cache.ram.quantize_bits,
             log_divergence=config.normalization.log_divergence,
         ),
@@ -127,6 +128,15 @@ def proxy_settings(config: Config) -> ProxySettings:
         default_tenant=config.tenants.default,
         model_settings=model_settings(config),
         stream_keepalive_s=parse_duration(config.server.stream_keepalive),
+        alerts=AlertRules(
+            webhook=config.alerts.webhook,
+            window_s=parse_duration(config.alerts.window),
+            interval_s=parse_duration(config.alerts.interval),
+            hit_ratio=config.cache.alert_hit_ratio,
+            cause_share=config.alerts.cause_share,
+            min_tokens=config.alerts.min_tokens,
+            repeat_s=parse_duration(config.alerts.repeat),
+        ),
     )
 
 

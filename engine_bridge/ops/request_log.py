@@ -19,7 +19,7 @@ import time
 from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 from ..cache.hashing import common_prefix
@@ -32,6 +32,7 @@ from ..types import (
     MissReason,
     conversation_id,
 )
+from .diagnosis import Diagnosis, Evidence, Loss, split
 
 
 class Finished(Protocol):
@@ -50,6 +51,13 @@ MAX_RECORDS = 500
 # Sessions whose previous prompt is kept to compare the next one with (LRU beyond this).
 MAX_SESSIONS = 256
 ALERT_WINDOW = 20
+# Other sessions a new session's prompt is compared with (the newest first), to find what
+# the cache had seen of it: a shared system prompt, another tenant's copy.
+NEIGHBOURS = 32
+# A new session whose system prompt left another session's there was rewritten by its
+# client (a stamp) only if the two re-align by the end of it: ends this close, the same
+# last tokens. Two agents' different system prompts never do.
+REALIGN_SLACK, REALIGN_TOKENS = 32, 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,15 +97,23 @@ class PromptSummary:
     # Assistant messages before the last user message: where templates that drop earlier
     # reasoning (Qwen3.5/3.6, GLM-4.7, MiniMax, gpt-oss, Gemma 4) render other tokens.
     past_turns: frozenset[int] = frozenset()
+    head_messages: int = 0  # the leading system messages (the tools render with them)
+    at: float = 0.0  # when the request arrived (monotonic seconds)
 
     def message_at(self, token: int) -> int:
         """The message holding `token` (0 before the first known start)."""
         i = bisect.bisect_right(self.message_starts, token) - 1
         return self.message_index[i] if i >= 0 else 0
 
+    def start_of(self, message: int, default: int) -> int:
+        """The first token of `message` or of a later one; `default` past the last."""
+        i = bisect.bisect_left(self.message_index, message)
+        return self.message_starts[i] if i < len(self.message_starts) else default
+
 
 def summarize(req: GenerationRequest, prompt_tokens: Sequence[int], out: Sequence[int],
-              message_starts: Sequence[int], message_index: Sequence[int]) -> PromptSummary:  # fmt: skip
+              message_starts: Sequence[int], message_index: Sequence[int],
+              at: float = 0.0) -> PromptSummary:  # fmt: skip
     messages = req.messages or []
     # The cache holds the prompt plus every generated token but the last (never fed back).
     stored = array("i", prompt_tokens)
@@ -118,6 +134,8 @@ def summarize(req: GenerationRequest, prompt_tokens: Sequence[int], out: Sequenc
         head.digest(),
         ends,
         past,
+        n_head,
+        at,
     )
 
 
@@ -246,8 +264,10 @@ class HitRatioAlert:
 class RequestLog:
     """The last `MAX_RECORDS` requests; filled on the MLX thread, read on the event loop."""
 
-    def __init__(self, alert_hit_ratio: float = 0.5):
+    def __init__(self, alert_hit_ratio: float = 0.5, diagnosis: Diagnosis | None = None):
         self._records: deque[RequestRecord] = deque(maxlen=MAX_RECORDS)
+        # Every token computed again, by cause (diagnosis.py).
+        self.diagnosis = diagnosis or Diagnosis()
         self._sessions: OrderedDict[tuple[str, str, str], PromptSummary] = OrderedDict()
         self._lock = threading.Lock()
         self.alert = HitRatioAlert(alert_hit_ratio)
@@ -259,10 +279,12 @@ class RequestLog:
         job = seq.job
         req, prompt = job.request, job.prompt
         report: LookupReport | None = getattr(seq.session, "lookup", None)
-        cur = summarize(req, prompt.tokens, seq.out, prompt.message_starts, prompt.message_index)
+        cur = summarize(req, prompt.tokens, seq.out, prompt.message_starts,
+                        prompt.message_index, seq.start)  # fmt: skip
         key = (req.tenant, req.model, req.session or _conversation(req))
         with self._lock:
             prev = self._sessions.get(key)
+            neighbours = [] if prev is not None else self._neighbours(key)
             if result.used_cache:
                 self._sessions[key] = cur
                 self._sessions.move_to_end(key)
@@ -272,10 +294,16 @@ class RequestLog:
                 return  # a warm-up: the session knows its prompt now; it is not a request
             reason = classify(cur, len(prompt.tokens), prev, report, result.used_cache)
             self._reasons[req.model, reason] += 1
+        arrived = time.time() - (time.perf_counter() - seq.start)
+        # Outside the lock: the comparisons read only this request's and frozen summaries.
+        loss = lost(req, result, cur, prev, neighbours, report, reason,
+                    getattr(seq.session, "decode", None))  # fmt: skip
+        self.diagnosis.add(replace(loss, time=arrived, session=key[2]))
+        with self._lock:
             self._records.append(
                 RequestRecord(
                     id=req.request_id,
-                    time=time.time() - (time.perf_counter() - seq.start),
+                    time=arrived,
                     model=req.model,
                     tenant=req.tenant,
                     session=req.session,
@@ -306,6 +334,18 @@ class RequestLog:
                     break
         return out
 
+    def _neighbours(
+        self, key: tuple[str, str, str]
+    ) -> list[tuple[tuple[str, str, str], PromptSummary]]:
+        """The newest other sessions (under the lock)."""
+        out = []
+        for other in reversed(self._sessions):
+            if other != key:
+                out.append((other, self._sessions[other]))
+                if len(out) == NEIGHBOURS:
+                    break
+        return out
+
     def reason_totals(self) -> dict[tuple[str, MissReason], int]:
         with self._lock:
             return dict(self._reasons)
@@ -313,6 +353,72 @@ class RequestLog:
     def alert_state(self) -> dict | None:
         with self._lock:
             return self.alert.state()
+
+
+def lost(
+    req: GenerationRequest,
+    result: GenerationResult,
+    cur: PromptSummary,
+    prev: PromptSummary | None,
+    neighbours: Sequence[tuple[tuple[str, str, str], PromptSummary]],
+    report: LookupReport | None,
+    reason: MissReason,
+    decode: Any = None,
+) -> Loss:
+    """One request's tokens computed again, by cause (diagnosis.split), with the evidence
+    each fix is worded from. `neighbours`: other sessions' summaries, for a new session."""
+    n, hit = result.prompt_tokens, result.cached_tokens
+    prompt = cur.tokens[:n]
+    snapshots = bool(report and report.snapshots)
+    reach, new_from, was_of = 0, n, prev
+    foreign = 0
+    if prev is not None:
+        reach = common_prefix(prompt, prev.tokens)
+        new_from = cur.start_of(len(prev.messages), n)
+    elif reason not in ("bypass", "hit"):
+        same, other = req.tenant, req.model
+        best: tuple[int, PromptSummary | None] = (0, None)
+        for (tenant, model, _), summary in neighbours:
+            agree = common_prefix(prompt, summary.tokens)
+            if tenant == same and model == other:
+                best = max(best, (agree, summary), key=lambda b: b[0])
+            else:
+                foreign = max(foreign, agree)
+        reach, was_of = best
+        if was_of is not None and _restamped(cur, was_of, reach):
+            reason, new_from = "system_or_tools_changed", cur.start_of(cur.head_messages, n)
+        foreign = foreign if foreign > reach else 0
+    tokens = split(reason, n, hit, reach=reach, new_from=new_from, snapshots=snapshots,
+                   late_reach=report.late_reach if report else 0, foreign_reach=foreign)  # fmt: skip
+    evidence = {}
+    if "client_rewrote" in tokens and report is not None:
+        was = ""
+        if decode is not None and was_of is not None and reach < len(was_of.tokens):
+            was = decode(list(was_of.tokens[reach : reach + 24]))[:40]
+        message = report.message if report.message is not None else cur.message_at(reach)
+        evidence["client_rewrote"] = Evidence(message, report.before, report.after, was)
+    if "expired" in tokens and prev is not None and prev.at:
+        evidence["expired"] = Evidence(pause_s=round(cur.at - prev.at, 1))
+    if "template_dropped_reasoning" in tokens:
+        evidence["template_dropped_reasoning"] = Evidence(cur.message_at(reach), model=req.model)
+    if "checkpoint_spacing" in tokens:
+        evidence["checkpoint_spacing"] = Evidence(gap=tokens["checkpoint_spacing"])
+    return Loss(0.0, req.model, req.tenant, req.session or "", n, hit, tokens, evidence)
+
+
+def _restamped(cur: PromptSummary, other: PromptSummary, reach: int) -> bool:
+    """Whether a new session's prompt left `other`'s inside their leading system messages
+    and the two re-align by the end of them: the same system prompt with a changed stamp."""
+    if not cur.head_messages or cur.message_at(reach) >= cur.head_messages:
+        return False
+    end, other_end = cur.start_of(cur.head_messages, -1), other.start_of(other.head_messages, -1)
+    if end < 0 or other_end < 0 or abs(end - other_end) > REALIGN_SLACK:
+        return False
+    tail = REALIGN_TOKENS
+    return (
+        end - tail > reach
+        and cur.tokens[end - tail : end] == other.tokens[other_end - tail : other_end]
+    )
 
 
 def _round(value: float | None) -> float | None:

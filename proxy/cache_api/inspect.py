@@ -2,6 +2,9 @@
 
 - `GET /v1/cache/requests`: the last requests, each with its hit, its divergence and a
   reason class, plus the hit-ratio alert.
+- `GET /v1/cache/diagnosis`: a window's prompt tokens computed again, ranked by cause,
+  each with the setting (or the sentence) that fixes it; `?window=1h`, `model`, `tenant`,
+  `session` narrow it.
 - `POST /v1/cache/probe`: what a chat body would restore from RAM and SSD, and what it
   would recompute, without running the model.
 - `POST /v1/cache/warm`: prefill and store a chat body, generating nothing (warm Claude
@@ -18,6 +21,7 @@ Errors come in the chosen dialect's shape, as the chat route would send them.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
@@ -26,6 +30,7 @@ from aiohttp import web
 
 from engine_bridge.types import EngineError, GenerationRequest, conversation_id
 
+from ..config.units import parse_duration
 from ..dialects import anthropic as anthropic_api
 from ..dialects.openai import chat as chat_api
 from ..dialects.openai import completions as completions_api
@@ -69,6 +74,31 @@ async def recent_requests(request: web.Request) -> web.Response:
     return web.json_response(
         {"requests": [r.to_json() for r in records], "alert": engine.hit_ratio_alert()}
     )
+
+
+async def diagnosis(request: web.Request) -> web.Response:
+    q = request.query
+    window_s = None
+    if (raw := q.get("window")) is not None:
+        try:
+            window_s = parse_duration(raw)
+        except ValueError:
+            window_s = 0.0
+        if window_s <= 0:
+            raise ApiError(400, f"window: expected a duration such as 90s, 30m or 1h, "
+                           f"got {raw!r}", param="window")  # fmt: skip
+    tenant = q.get("tenant")
+    visible = visible_tenant(request)
+    if visible is not None:
+        if tenant not in (None, visible):
+            raise ApiError(403, f"tenant: this key may see only tenant {visible!r}",
+                           param="tenant")  # fmt: skip
+        tenant = visible
+    engine = request.app[ENGINE]
+    # The fixes read the tiers' stats, which ask the SSD's index: off the event loop.
+    body = await asyncio.to_thread(engine.diagnosis, window_s, model=q.get("model"),
+                                   tenant=tenant, session=q.get("session"))  # fmt: skip
+    return web.json_response(body)
 
 
 def choose_dialect(request: web.Request, body: dict[str, Any] | None) -> Dialect:
@@ -152,5 +182,6 @@ warm = body_route(_warm)
 
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/cache/requests", recent_requests)
+    app.router.add_get("/v1/cache/diagnosis", diagnosis)
     app.router.add_post("/v1/cache/probe", probe)
     app.router.add_post("/v1/cache/warm", warm)

@@ -147,6 +147,7 @@ class EngineCollector(Collector):
         if stats.get("shared") is not None:
             yield from shared_histograms(stats["shared"])
         yield reason_metric(self.engine.miss_reasons(), self.engine.has_model)
+        yield lost_metric(self.engine.lost_tokens(), self.engine.has_model)
         yield gauge(
             "hit_ratio_alert", "1 while the hit-ratio alert is on", int(bool(stats["alert"]))
         )
@@ -209,10 +210,22 @@ def gauge(name: str, doc: str, value: float) -> Metric:
 
 def reason_metric(totals: dict[tuple[str, str], int], served) -> Metric:
     doc = "Requests by why they hit or missed (GET /v1/cache/requests has each one's)"
-    out = CounterMetricFamily(f"{PREFIX}_request_reasons", doc, labels=["model", "reason"])
+    return _by_model(f"{PREFIX}_request_reasons", doc, "reason", totals, served)
+
+
+def lost_metric(totals: dict[tuple[str, str], int], served) -> Metric:
+    doc = "Prompt tokens computed again, by cause (GET /v1/cache/diagnosis ranks them)"
+    return _by_model(f"{PREFIX}_lost_tokens", doc, "cause", totals, served)
+
+
+def _by_model(
+    name: str, doc: str, label: str, totals: dict[tuple[str, str], int], served
+) -> Metric:
+    """A counter by model and `label`; models no longer served count as one "other"."""
+    out = CounterMetricFamily(name, doc, labels=["model", label])
     merged: dict[tuple[str, str], int] = {}
-    for (model, reason), n in totals.items():
-        key = (model if served(model) else OTHER, reason)
+    for (model, value), n in totals.items():
+        key = (model if served(model) else OTHER, value)
         merged[key] = merged.get(key, 0) + n
     for labels, n in sorted(merged.items()):
         out.add_metric(list(labels), n)

@@ -121,6 +121,7 @@ class RamCacheConfig:
     budget: str | int = "20%"
     quantize_bits: int = 0
     checkpoint_interval: int = 1024
+    keep_periodic: bool = False
     # Memory pressure: when the system's available memory falls below this ("5%" of all
     # RAM, or a size), the RAM tier shrinks and spills to SSD; "off" turns the guard off.
     min_available: str | int = "5%"
@@ -224,6 +225,20 @@ class DistributedConfig:
 
 
 @dataclass(slots=True)
+class AlertsConfig:
+    # Alerts that name a cause of lost tokens and its fix (GET /v1/cache/diagnosis): when
+    # the hit ratio falls below [cache] alert_hit_ratio, or one cause passes `cause_share`
+    # of the tokens computed again, over the last `window`. Always logged; POSTed as JSON
+    # to `webhook` when set. One notice per alert per `repeat`; cleared when the cause goes.
+    webhook: str | None = None
+    cause_share: float = 0.3  # 0: alerts by cause off
+    min_tokens: int = 4096  # a window that lost fewer tokens raises nothing
+    window: str | float = "15m"
+    repeat: str | float = "15m"
+    interval: str | float = "10s"  # how often the diagnosis is read
+
+
+@dataclass(slots=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
@@ -234,6 +249,7 @@ class Config:
     normalization: NormalizationConfig = field(default_factory=NormalizationConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
     # [model."<pattern>"] sections: per-model sampling defaults and template kwargs,
     # keyed by model id, LM Studio key or a glob over either (config/model_settings.py).
     model: dict[str, ModelSettings] = field(default_factory=dict)

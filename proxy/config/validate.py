@@ -144,6 +144,13 @@ def validate(config: Config, origins: Origins) -> None:
     parses("cache.ssd.checkpoint_write_delay", parse_duration, c.ssd.checkpoint_write_delay)
     validate_shared(c.shared, check, parses)
     check("tenants.header", bool(config.tenants.header.strip()), "must not be empty")
+    a = config.alerts
+    check("alerts.cause_share", 0 <= a.cause_share <= 1, f"must be 0 to 1, got {a.cause_share}")
+    check("alerts.min_tokens", a.min_tokens >= 0, f"must be 0 or more, got {a.min_tokens}")
+    check("alerts.webhook", a.webhook is None or a.webhook.startswith(("http://", "https://")),
+          f"must be an http:// or https:// URL, got {a.webhook!r}")  # fmt: skip
+    for name in ("window", "repeat", "interval"):
+        parses(f"alerts.{name}", parse_duration, getattr(a, name))
     d = config.distributed
     check("distributed.ranks", 0 <= d.ranks <= 64, f"must be 0 to 64, got {d.ranks}")
     check("distributed.backend", d.backend in ("ring", "jaccl"),

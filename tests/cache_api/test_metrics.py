@@ -409,7 +409,8 @@ def _steady(stats: dict) -> list:
 COUNTER_FAMILIES = frozenset(
     """
 cached_tokens_total completion_tokens_total decode_steps_total decode_tokens_total
-http_errors_total memory_freed_bytes_total memory_shrinks_total prompt_tokens_total
+http_errors_total lost_tokens_total memory_freed_bytes_total memory_shrinks_total
+prompt_tokens_total
 proxy_responses_evicted_total ram_dedupe_hits_total ram_evicted_bytes_total
 ram_evictions_total ram_reserve_failures_total ram_spill_errors_total
 ram_superseded_checkpoints_total ram_thinned_checkpoints_total

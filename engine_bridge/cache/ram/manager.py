@@ -79,12 +79,15 @@ class CacheManager:
         block_size: int = BLOCK_SIZE,
         on_evict: OnEvict | None = None,
         thin_periodic: bool = True,
+        keep_newest_periodic: bool = False,
     ) -> None:
         assert budget_bytes >= 0 and block_size > 0, f"budget {budget_bytes}, block {block_size}"
         self.budget_bytes = budget_bytes
         self.block_size = block_size
         self.on_evict = on_evict
         self.thin_periodic = thin_periodic
+        # Only a newer periodic checkpoint thins the older ones ([cache.ram] keep_periodic).
+        self.keep_newest_periodic = keep_newest_periodic
         # The runner's worker thread mutates; the event loop thread reads stats.
         self._lock = threading.Lock()
         self._lru = FreeQueue()
@@ -231,7 +234,9 @@ class CacheManager:
     ) -> InsertResult:
         """Store the state after `position` tokens of `chain`, then thin periodic checkpoints
         on its path."""
-        assert isinstance(reason, CheckpointReason), f"checkpoint reason {reason!r} is not a CheckpointReason"
+        assert isinstance(reason, CheckpointReason), (
+            f"checkpoint reason {reason!r} is not a CheckpointReason"
+        )
         assert 0 < position <= len(chain), f"checkpoint at {position} of {len(chain)} tokens"
         assert chain.block_size == self.block_size, f"chain of {chain.block_size}-token blocks"
         nbytes = _payload_nbytes(payload)
@@ -243,7 +248,10 @@ class CacheManager:
             if not created:
                 self._dedupe_hits += 1
                 self._checkpoints.refresh(ckpt)
-            thinned = self._checkpoints.thin(chain, ckpt) if self.thin_periodic else []
+            thins = self.thin_periodic and not (
+                self.keep_newest_periodic and reason is not CheckpointReason.PERIODIC
+            )
+            thinned = self._checkpoints.thin(chain, ckpt) if thins else []
             self._thinned += len(thinned)
             self._superseded += mark_superseded(self._pool, self._checkpoints, chain, ckpt)
             evicted = self._evict_to_budget()
