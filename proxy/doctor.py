@@ -1,5 +1,6 @@
 """`mlx-prompt-cache doctor`: what is loaded where, the memory figures, the extras and
-servers present, as a report a person reads (or one JSON object with --json).
+servers present, and (from a running server) the causes of the last hour's lost prompt
+tokens with their fixes, as a report a person reads (or one JSON object with --json).
 
 Nothing here loads a model or imports an optional extra: models are resolved to their
 folders and sized on disk, extras are looked up with `importlib.util.find_spec`, and the
@@ -48,6 +49,7 @@ EXTRAS = {
 }
 PROGRAMS = ("redis-server", "chromium", "chromium-browser", "google-chrome")
 HEALTH_TIMEOUT_S = 3.0
+LOST_SHOWN = 3  # the causes of lost tokens listed, most tokens first (new content aside)
 
 
 def _served_specs(config: Config) -> list[str]:
@@ -103,6 +105,7 @@ async def _server_health(url: str) -> dict[str, Any]:
                 body = orjson.loads(await r.read()) if r.status in (200, 503) else None
             settings = await _server_settings(session, url) if ok else {}
             held = await _rank_holdings(session, url) if ok and _ranks(body) else None
+            lost, lost_error = await _diagnosis(session, url) if ok else (None, None)
     except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as exc:
         return {"url": url, "running": False, "error": str(exc) or type(exc).__name__}
     ranks = _ranks(body)
@@ -120,6 +123,8 @@ async def _server_health(url: str) -> dict[str, Any]:
         "loaded": [m for m in body.get("loaded", []) if isinstance(m, str)],
         "settings": settings,
         "ranks": ranks,
+        "diagnosis": lost,
+        "diagnosis_error": lost_error,
     }
 
 
@@ -136,6 +141,23 @@ async def _rank_holdings(session: aiohttp.ClientSession, url: str) -> list[dict]
             return None
         held = orjson.loads(await r.read()).get("ranks")
     return held if isinstance(held, list) else None
+
+
+async def _diagnosis(
+    session: aiohttp.ClientSession, url: str
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The last hour's lost tokens by cause (GET /v1/cache/diagnosis), or why not."""
+    path = "/v1/cache/diagnosis?window=1h"
+    try:
+        async with session.get(url + path) as r:
+            if r.status != 200:
+                return None, f"GET {path} answered HTTP {r.status}"
+            body = orjson.loads(await r.read())
+    except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as exc:
+        return None, f"GET {path}: {exc or type(exc).__name__}"
+    if not isinstance(body, dict) or not isinstance(body.get("causes"), list):
+        return None, f"GET {path} answered no diagnosis"
+    return body, None
 
 
 async def _server_settings(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
@@ -278,6 +300,7 @@ def render(report: dict[str, Any]) -> str:
         )
         if r["settings"]:
             out.append(f"  {'':{width}}  settings {inline(r['settings'])}")
+    out += _render_lost(server)
     out.append("")
     if not lms["enabled"]:
         out.append(f"LM Studio at {lms['url']}: upstream disabled ([upstream] enabled = false)")
@@ -350,4 +373,31 @@ def _render_ranks(ranks: dict[str, Any] | None) -> list[str]:
             f"SSD {_size(r.get('ssd_bytes'))} in {r.get('ssd_entries', 0)} files "
             f"({r.get('ssd_root')}), live K/V {_size(r.get('kv_bytes'))}"
         )
+    return out
+
+
+def _render_lost(server: dict[str, Any]) -> list[str]:
+    """The running server's top causes of lost prompt tokens, new content aside (nothing
+    fixes that), each with its share and its fix: the sentence, and the setting as TOML."""
+    if not server["running"]:
+        return []
+    out = ["", "Lost tokens (last hour)"]
+    d = server.get("diagnosis")
+    if d is None:
+        return out + [f"  {server.get('diagnosis_error')}"]
+    if not d["requests"]:
+        return out + ["  no requests in the last hour"]
+    lost = [c for c in d["causes"] if c["cause"] != "new_content"]
+    fresh = d["computed_tokens"] - sum(c["tokens"] for c in lost)
+    out.append(f"  {d['computed_tokens'] - fresh:,} of {d['prompt_tokens']:,} prompt tokens "
+               f"computed again, {fresh:,} new, in {d['requests']:,} requests")  # fmt: skip
+    if not lost:
+        return out + ["  nothing lost: every token computed was new"]
+    width = max(len(c["cause"]) for c in lost[:LOST_SHOWN])
+    for c in lost[:LOST_SHOWN]:
+        fix = c["fix"]
+        out.append(f"  {c['cause']:{width}}  {c['tokens']:,} tokens ({c['share']:.0%}): "
+                   f"{fix['text']}")  # fmt: skip
+        if fix.get("key"):
+            out.append(f"  {'':{width}}  {fix['key']} = {inline(fix['value'])}")
     return out

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # <xbar.title>mlx-prompt-cache</xbar.title>
 # <xbar.version>v0.1.0</xbar.version>
-# <xbar.desc>Prompt cache hit ratio, tier sizes, sessions, the hit-ratio alert and start/stop for the mlx-prompt-cache proxy.</xbar.desc>
+# <xbar.desc>Prompt cache hit ratio, tier sizes, sessions, the hit-ratio alert, what costs the most recomputed tokens and start/stop for the mlx-prompt-cache proxy.</xbar.desc>
 # <xbar.dependencies>bash,curl</xbar.dependencies>
 # <swiftbar.hideRunInTerminal>true</swiftbar.hideRunInTerminal>
 #
@@ -29,6 +29,8 @@ SESSIONS_SHOWN=5
 # Only the first few sessions are parsed: the list is sorted newest first, and the awk
 # reader below walks its input a character at a time.
 SESSIONS_HEAD_BYTES=4000
+# The lost-tokens line is cut to this many characters; hovering shows all of it.
+LOST_LENGTH=72
 # Expanded as ${AUTH[@]+...}: bash 3.2, the Mac's /bin/bash, calls an empty array unbound.
 AUTH=()
 if [ -n "${MLX_PROMPT_CACHE_API_KEY:-}" ]; then
@@ -197,8 +199,26 @@ render_sessions() {
     done
 }
 
+# The cause that cost the most prompt tokens computed again in the last hour, new content
+# aside (nothing fixes that), and its fix, from GET /v1/cache/diagnosis (most first; one
+# entry per cause, twelve at most).
+render_lost() {
+    local flat="$1" i cause tokens share fix
+    for ((i = 0; i < 12; i++)); do
+        cause="$(field "$flat" "causes.$i.cause")"
+        [ -n "$cause" ] || return 0
+        [ "$cause" = new_content ] && continue
+        tokens="$(field "$flat" "causes.$i.tokens")"
+        share="$(field "$flat" "causes.$i.share")"
+        fix="$(field "$flat" "causes.$i.fix.text")"
+        [ -n "$fix" ] && fix=": ${fix//|/¦}"
+        echo "Lost: $cause, ${tokens:-0} tokens ($(percent "${share:-0}"))$fix | length=$LOST_LENGTH href=$URL/dashboard"
+        return 0
+    done
+}
+
 render_up() {
-    local stats="$1" health="$2" sessions="$3"
+    local stats="$1" health="$2" sessions="$3" lost="$4"
     local ratio requests hits misses ram_bytes ram_blocks ssd_bytes ssd_blocks spills reloads
     local title="⚡ up" models="" i name alert
     ratio="$(field "$stats" hit_ratio requests.hit_ratio)"
@@ -228,6 +248,7 @@ render_up() {
     [ -n "$alert" ] && echo "⚠ ${alert//|/¦} | color=red href=$URL/dashboard"
     [ -n "$ratio" ] && echo "Token hit ratio: $(percent "$ratio")"
     [ -n "$requests" ] && echo "Requests: $requests${hits:+ ($hits hits, ${misses:-0} misses)}"
+    [ -n "$lost" ] && render_lost "$lost"
     if [ -n "$ram_bytes" ]; then
         echo "RAM: $(human_bytes "$ram_bytes")${ram_blocks:+ in $ram_blocks blocks}"
     fi
@@ -272,11 +293,14 @@ main() {
         common_actions
         return 0
     fi
-    local health sessions
+    local health sessions lost
     health="$(curl -s -m 2 "$URL/health" 2>/dev/null | flatten_json)"
     # -f: a server without the sessions route (or a refused key) shows no sessions line.
     sessions="$(curl -sf -m 3 ${AUTH[@]+"${AUTH[@]}"} "$URL/v1/cache/sessions" 2>/dev/null)" || sessions=""
-    render_up "$(printf '%s' "$stats" | flatten_json)" "$health" "$sessions"
+    # Only what comes before the per-model, tenant and session lists is read: the causes.
+    lost="$(curl -sf -m 3 ${AUTH[@]+"${AUTH[@]}"} "$URL/v1/cache/diagnosis?window=1h" 2>/dev/null)" || lost=""
+    lost="$(printf '%s' "$lost" | awk '{ i = index($0, "\"by_model\""); if (i) { print substr($0, 1, i - 1); exit } print }' | flatten_json)"
+    render_up "$(printf '%s' "$stats" | flatten_json)" "$health" "$sessions" "$lost"
 }
 
 main "$@"

@@ -1,11 +1,11 @@
-"""The /openapi.json entries of the routes in proxy/cache_api/inspect.py: requests, probe,
-warm."""
+"""The /openapi.json entries of the routes in proxy/cache_api/inspect.py: requests,
+diagnosis, probe, warm."""
 
 from __future__ import annotations
 
 from typing import Any, get_args
 
-from engine_bridge.types import MissReason
+from engine_bridge.types import Cause, MissReason
 
 from ..cache_api.inspect import REQUESTS_DEFAULT, REQUESTS_MAX
 
@@ -14,6 +14,8 @@ Schema = dict[str, Any]
 _COUNT = {"type": "integer", "minimum": 0}
 _STRING = {"type": "string"}
 _REASONS = list(get_args(MissReason))  # the request log's reason classes, one source
+_CAUSES = list(get_args(Cause))  # the diagnosis's causes, one source
+_RATIO = {"type": "number", "minimum": 0, "maximum": 1}
 
 
 def _ref(name: str) -> Schema:
@@ -69,6 +71,7 @@ def schemas() -> dict[str, Schema]:
         "CacheRequests": _obj(
             {"requests": {"type": "array", "items": _ref("CacheRequest")}, "alert": alert}
         ),
+        **_diagnosis_schemas(),
         "CacheProbe": _obj(
             {
                 "model": _STRING,
@@ -88,6 +91,69 @@ def schemas() -> dict[str, Schema]:
                 "stored_tokens": _COUNT,
                 "elapsed_s": {"type": "number", "minimum": 0},
             }
+        ),
+    }
+
+
+def _diagnosis_schemas() -> dict[str, Schema]:
+    fix = _obj(
+        {
+            "text": _STRING,
+            "key": _nullable(_STRING),
+            "value": {
+                "description": "the value for key, as JSON (a TOML table is an object); "
+                "null when there is no key"
+            },
+        },
+        "what to do: a sentence, and the config key to set and its value when a setting fixes it",
+    )
+    cause = _obj(
+        {
+            "cause": {"enum": _CAUSES},
+            "tokens": _COUNT,
+            "share": {**_RATIO, "description": "of the tokens computed again"},
+            "requests": _COUNT,
+            "actionable": {"type": "boolean", "description": "whether a setting can help"},
+            "fix": _ref("CacheFix"),
+        }
+    )
+    group = _obj(
+        {
+            "name": _STRING,
+            "requests": _COUNT,
+            "prompt_tokens": _COUNT,
+            "computed_tokens": _COUNT,
+            "hit_ratio": _nullable(_RATIO),
+            "top_cause": _nullable({"enum": _CAUSES}),
+            "top_cause_tokens": _COUNT,
+        },
+        "one model, tenant or session: its tokens computed again and the cause (new content "
+        "aside) that cost the most",
+    )
+    groups = {"type": "array", "items": _ref("CacheLossGroup")}
+    return {
+        "CacheFix": fix,
+        "CacheLossCause": cause,
+        "CacheLossGroup": group,
+        "CacheDiagnosis": _obj(
+            {
+                "window_s": {"type": "number", "exclusiveMinimum": 0},
+                "filter": _obj({k: _nullable(_STRING) for k in ("model", "tenant", "session")}),
+                "requests": _COUNT,
+                "prompt_tokens": _COUNT,
+                "cached_tokens": _COUNT,
+                "computed_tokens": _COUNT,
+                "hit_ratio": _nullable(_RATIO),
+                "causes": {
+                    "type": "array",
+                    "items": _ref("CacheLossCause"),
+                    "description": "most tokens first; they add up to computed_tokens",
+                },
+                "by_model": groups,
+                "by_tenant": groups,
+                "by_session": {**groups, "description": "those that computed the most"},
+            },
+            "the window's prompt tokens computed again, ranked by cause, each with its fix",
         ),
     }
 
@@ -170,6 +236,7 @@ def paths() -> dict[str, Schema]:
                 },
             }
         },
+        "/v1/cache/diagnosis": {"get": _diagnosis_op()},
         "/v1/cache/probe": {
             "post": _body_op(
                 "what a chat body would restore from RAM and SSD, without running the model",
@@ -186,5 +253,41 @@ def paths() -> dict[str, Schema]:
                     ("429", "the engine's queue is full; Retry-After says when to retry"),
                 ),
             )
+        },
+    }
+
+
+def _diagnosis_op() -> Schema:
+    def query(name: str, description: str, schema: Schema = _STRING) -> Schema:
+        return {"name": name, "in": "query", "description": description, "schema": schema}
+
+    def error(why: str) -> Schema:
+        return {
+            "description": why,
+            "content": {"application/json": {"schema": _ref("OpenAIError")}},
+        }
+
+    return {
+        "summary": "the prompt tokens computed again in a window, ranked by cause, each with "
+        "the setting (or the sentence) that fixes it",
+        "tags": ["admin"],
+        "parameters": [
+            query(
+                "window",
+                "how far back: a duration such as 90s, 30m or 1h (default 1h)",
+                {"type": "string", "examples": ["90s", "30m", "1h"]},
+            ),
+            query("model", "only this model's requests"),
+            query("tenant", "only this tenant's (with [tenants] api_keys: the caller's own only)"),
+            query("session", "only this session's"),
+        ],
+        "responses": {
+            "200": {
+                "description": "with [tenants] api_keys, only the caller's tenant's",
+                "content": {"application/json": {"schema": _ref("CacheDiagnosis")}},
+            },
+            "400": error("window is not a duration of more than 0 seconds"),
+            "401": error("missing or unknown API key (a server reachable from the network)"),
+            "403": error("a Host or Origin not allowed, or another tenant named"),
         },
     }

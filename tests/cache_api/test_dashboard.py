@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 from collections.abc import Iterator
+from decimal import ROUND_HALF_UP, Decimal
 
 import httpx
 import openai
@@ -15,6 +16,7 @@ from engine_bridge.engine import Engine, EngineSettings
 from proxy.app import create_app
 from proxy.cache_api import dashboard
 from proxy.config.model import UpstreamConfig
+from proxy.config.tomltext import inline
 from proxy.security import browser_policy
 from proxy.state import ProxySettings
 from tests.conftest import Server, fresh_cache_dir, start_server
@@ -75,7 +77,8 @@ async def test_page_and_every_file_it_loads_are_served_with_a_same_origin_csp(ap
     assert "default-src 'none'" in dashboard.CSP and "'unsafe-inline'" not in dashboard.CSP
     html = await r.text()
     loaded = re.findall(r'(?:src|href)="/dashboard/([^"]+)"', html)
-    assert sorted(loaded) == ["dashboard.css", "dashboard.js", "uPlot.LICENSE"] + [
+    assert sorted(loaded) == ["dashboard.css", "dashboard.js", "format.js", "lost.js"] + [
+        "uPlot.LICENSE",
         "uPlot.iife.min.js",
         "uPlot.min.css",
     ]
@@ -127,6 +130,18 @@ def test_the_page_names_every_miss_reason_the_request_log_gives():
     table = script[script.index("const REASONS = {") : script.index("};", script.index("REASONS"))]
     named = set(re.findall(r"^\s*(\w+):", table, re.MULTILINE))
     assert named == set(get_args(MissReason))
+
+
+def test_the_page_names_every_cause_the_diagnosis_gives():
+    """A cause the Lost tokens card has no words for shows as its raw name."""
+    from typing import get_args
+
+    from engine_bridge.ops.diagnosis import Cause
+
+    script = (dashboard.STATIC / "lost.js").read_text(encoding="utf-8")
+    table = script[script.index("const CAUSES = {") : script.index("};", script.index("CAUSES"))]
+    named = set(re.findall(r"^\s*(\w+):", table, re.MULTILINE))
+    assert named == set(get_args(Cause))
 
 
 async def test_page_loads_without_a_key_but_its_data_and_the_passthrough_need_one(app_client):
@@ -327,6 +342,66 @@ def test_alert_banner_shows_when_the_hit_ratio_of_the_last_20_drops(live, page):
     until(
         lambda: page.locator("#alert").is_visible() and text(page, "#alert") == banner, banner, page
     )
+    assert page.problems == []
+
+
+def percent(r: float) -> str:
+    """A share as the page writes it: JavaScript's toFixed rounds a tie up."""
+    digits = Decimal("0.1") if 0 < r < 0.1 else Decimal(1)
+    return f"{Decimal(r * 100).quantize(digits, ROUND_HALF_UP)}%"
+
+
+@needs_browser
+def test_lost_tokens_card_ranks_the_causes_with_their_fixes(live, page):
+    """A client that stamps the time into its system prompt, three turns: the card ranks
+    every cause the server's diagnosis gives, with its tokens, share and fix, and the
+    normalization rule that keeps the prefix as TOML to paste."""
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    history = [{"role": "user", "content": "Which report needs the region and the month?"}]
+    for turn in range(3):
+        system = (f"You are the ledger assistant.\nCurrent time: 2026-12-05 0{turn}:1{turn}:"
+                  f"{turn}7\n" + "Answer in one short sentence. " * 30)  # fmt: skip
+        reply = client.chat.completions.create(
+            model="demo-llama",
+            messages=[{"role": "system", "content": system}, *history],
+            max_tokens=1,
+            temperature=0,
+            extra_headers={"x-session-id": "dash-stamped"},
+        )
+        history += [{"role": "assistant", "content": reply.choices[0].message.content or "."},
+                    {"role": "user", "content": f"And the currency? ({turn})"}]  # fmt: skip
+    body = api(live, "/v1/cache/diagnosis")
+    causes = {c["cause"]: c for c in body["causes"]}
+    rewrote = causes["client_rewrote"]
+    assert rewrote["fix"]["key"] == "normalization.rules"
+    assert rewrote["requests"] >= 2 and rewrote["tokens"] > 0
+
+    page.goto(live.url + "/dashboard")
+    ranked = lambda: page.eval_on_selector_all(  # noqa: E731
+        "#lost-causes li", "els => els.map(e => e.dataset.cause)"
+    )
+    until(lambda: ranked() == list(causes), f"the causes {list(causes)}", page)
+    fresh = causes.get("new_content", {}).get("tokens", 0)
+    assert text(page, "#lost") == f"{body['computed_tokens'] - fresh:,}"
+    assert page.text_content("#lost-window") == "(last hour)"  # the label is set in capitals
+    assert text(page, "#lost-detail") == (
+        f"of {body['computed_tokens']:,} prompt tokens computed ({fresh:,} new) in "
+        f"{body['requests']:,} requests; {percent(body['hit_ratio'])} came from the cache"
+    )
+    for name, c in causes.items():
+        row = page.locator(f'#lost-causes li[data-cause="{name}"]')
+        assert row.locator(".tokens").inner_text() == f"{c['tokens']:,} tokens", name
+        assert row.locator(".share").inner_text() == percent(c["share"]), name
+        assert float(row.locator("meter").get_attribute("value")) == c["share"], name
+        assert row.locator(".fix").text_content() == c["fix"]["text"], name
+        setting = row.locator("code.setting")
+        if c["fix"]["key"] is None:
+            assert setting.count() == 0, name
+        else:
+            assert setting.text_content() == f"{c['fix']['key']} = {inline(c['fix']['value'])}"
+    row = page.locator('#lost-causes li[data-cause="client_rewrote"]')
+    assert row.locator(".name").inner_text() == "client rewrote earlier messages"
+    assert "Current time:" in row.locator("code.setting").text_content()
     assert page.problems == []
 
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import jsonschema_rs
 import orjson
 import pytest
 import schemathesis
 
 from engine_bridge.engine import Engine, EngineSettings
+from engine_bridge.ops.diagnosis import Cause
 from proxy.app import create_app
 from proxy.config.model import UpstreamConfig
 from proxy.errors import ApiError, error_body
 from proxy.openapi import document as openapi
+from proxy.security import browser_policy
 from proxy.state import ProxySettings
 from tests.conftest import DEMO_IDS, fresh_cache_dir
 
@@ -103,3 +107,56 @@ async def test_real_answers_match_their_documented_schema(served, route, body, s
         assert name in r.headers or not header.get("required"), name
     request_schema = doc["paths"][route]["post"]["requestBody"]["content"]["application/json"]
     validator(doc, request_schema["schema"]["$ref"].rsplit("/", 1)[1]).validate(request)
+
+
+async def test_diagnosis_answers_and_refusals_match_their_documented_schemas(
+    served, aiohttp_client, demo_root, tmp_path
+):
+    _, client, doc = served
+    schemas = doc["components"]["schemas"]
+    assert schemas["CacheLossCause"]["properties"]["cause"]["enum"] == list(get_args(Cause))
+    op = doc["paths"]["/v1/cache/diagnosis"]["get"]
+    assert [p["name"] for p in op["parameters"]] == ["window", "model", "tenant", "session"]
+    assert {"200", "400", "403"} <= set(op["responses"])
+    system = "You are terse. Current time: 2026-12-05 0{}:00:00. " + "Keep answers short. " * 20
+    for turn in range(2):  # the client rewrites its system prompt's time stamp
+        messages = [{"role": "system", "content": system.format(turn)},
+                    {"role": "user", "content": "hi"}]  # fmt: skip
+        body = {"model": "demo-llama", "max_tokens": 2, "messages": messages}
+        r = await client.post("/v1/chat/completions", json=body,
+                              headers={"x-session-id": "openapi-diagnosis"})  # fmt: skip
+        assert r.status == 200, await r.text()
+    r = await client.get("/v1/cache/diagnosis", params={"window": "30m"})
+    assert r.status == 200, await r.text()
+    answer = await r.json()
+    validator(doc, "CacheDiagnosis").validate(answer)
+    assert answer["requests"] == 2 and answer["window_s"] == 1800.0
+    assert "client_rewrote" in {c["cause"] for c in answer["causes"]}
+    r = await client.get("/v1/cache/diagnosis", params={"window": "soon"})
+    assert r.status == 400
+    validator(doc, "OpenAIError").validate(await r.json())
+    # With [tenants] api_keys a key sees its own tenant only: another is a documented 403.
+    engine = Engine(
+        EngineSettings(
+            cache_dir=fresh_cache_dir(demo_root, tmp_path / "keyed"),
+            model_specs=["demo-llama"],
+            ssd_enabled=False,
+        )
+    )
+    keyed = await aiohttp_client(
+        create_app(
+            engine,
+            ProxySettings(tenant_api_keys={"sk-team": "team"}),
+            UpstreamConfig(enabled=False),
+            browser_policy("0.0.0.0", api_keys=["sk-team"]),
+        )
+    )
+    auth = {"Authorization": "Bearer sk-team"}
+    r = await keyed.get("/v1/cache/diagnosis", params={"tenant": "other"}, headers=auth)
+    assert r.status == 403
+    error = await r.json()
+    validator(doc, "OpenAIError").validate(error)
+    assert error["error"]["param"] == "tenant"
+    r = await keyed.get("/v1/cache/diagnosis", headers=auth)  # no tenant named: its own
+    assert r.status == 200
+    assert (await r.json())["filter"]["tenant"] == "team"

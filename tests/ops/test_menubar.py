@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "mlx-prompt-cache.30s.sh"
-KNOWN_PARAMS = {"bash", "terminal", "refresh", "href", "color"} | {
+KNOWN_PARAMS = {"bash", "terminal", "refresh", "href", "color", "length"} | {
     f"param{i}" for i in range(1, 10)
 }
 UID = os.getuid()
@@ -87,9 +87,11 @@ async def stats_server(
     status: int = 200,
     sessions: list[dict] | None = None,
     key: str | None = None,
+    diagnosis: dict | None = None,
 ):
-    """Stats and health; GET /v1/cache/sessions only when `sessions` is given; with `key`,
-    the two cache routes answer 401 to a request without 'Authorization: Bearer <key>'."""
+    """Stats and health; GET /v1/cache/sessions and /v1/cache/diagnosis only when
+    `sessions` or `diagnosis` is given; with `key`, the cache routes answer 401 to a
+    request without 'Authorization: Bearer <key>'."""
 
     def keyed(handler):
         async def check(request: web.Request) -> web.Response:
@@ -108,11 +110,17 @@ async def stats_server(
     async def list_sessions(request: web.Request) -> web.Response:
         return web.json_response({"sessions": sessions})
 
+    async def diagnose(request: web.Request) -> web.Response:
+        assert request.query["window"] == "1h"
+        return web.json_response(diagnosis)
+
     app = web.Application()
     app.router.add_get("/v1/cache/stats", keyed(cache_stats))
     app.router.add_get("/health", health)
     if sessions is not None:
         app.router.add_get("/v1/cache/sessions", keyed(list_sessions))
+    if diagnosis is not None:
+        app.router.add_get("/v1/cache/diagnosis", keyed(diagnose))
     server = await aiohttp_server(app)
     return str(server.make_url("")).rstrip("/")
 
@@ -365,3 +373,97 @@ async def test_real_proxy_sessions_match_its_sessions_route(server, sandbox):
     assert newest["id"] == "menubar-newest"
     assert texts[start + 1] == f"--menubar-newest: {newest['tokens']} tokens (demo-llama)"
     assert dict(lines)["Open dashboard"] == {"href": f"{server.url}/dashboard"}
+
+
+# ---------------------------------------------------------------------------------------
+# Lost tokens: the costliest cause besides new content, and its fix
+
+
+def cause(name: str, tokens: int, share: float, text: str, key=None, value=None) -> dict:
+    return {"cause": name, "tokens": tokens, "share": share, "requests": 2,
+            "actionable": name != "new_content",
+            "fix": {"text": text, "key": key, "value": value}}  # fmt: skip
+
+
+def diagnosis(*causes: dict) -> dict:
+    computed = sum(c["tokens"] for c in causes)
+    group = {"name": "demo-llama", "requests": 4, "prompt_tokens": 2000,
+             "computed_tokens": computed, "hit_ratio": 0.25, "top_cause": None,
+             "top_cause_tokens": 0}  # fmt: skip
+    return {"window_s": 3600.0, "filter": {"model": None, "tenant": None, "session": None},
+            "requests": 4, "prompt_tokens": 2000, "cached_tokens": 2000 - computed,
+            "computed_tokens": computed, "hit_ratio": 0.25, "causes": list(causes),
+            "by_model": [group], "by_tenant": [group | {"name": "local"}],
+            "by_session": [group | {"name": "s1"}]}  # fmt: skip
+
+
+async def test_lost_line_names_the_top_cause_besides_new_content_and_its_fix(
+    aiohttp_server, sandbox
+):
+    rule = {"name": "volatile-time", "pattern": "Current\\ time:\\ \\d+",
+            "replacement": "Current time: <time>", "roles": ["system", "user"]}  # fmt: skip
+    rewrote = ("the client rewrites message 0 changed at 'time: 2026-12-05 0' | '2:12:27\\n"
+               "The billing ' (was '1:11:17\\n\"by_model\": ①'), costing 705 tokens: this rule "
+               "makes the changing text the same every time")  # fmt: skip
+    body = diagnosis(
+        cause("new_content", 900, 0.5233, "nothing to change: no earlier request sent these"),
+        cause("client_rewrote", 705, 0.4099, rewrote, "normalization.rules", rule),
+        cause("bypass", 115, 0.0669, "1 requests asked for no cache (x-prompt-cache: bypass)"),
+    )
+    url = await stats_server(aiohttp_server, {"hit_ratio": 0.25, "requests": 4},
+                             diagnosis=body)  # fmt: skip
+    lines = parse_output(await run_plugin(url, sandbox))
+    texts = [t for t, _ in lines]
+    lost = texts.index("Requests: 4") + 1  # under the request counts
+    assert lines[lost] == (
+        "Lost: client_rewrote, 705 tokens (41%): " + rewrote.replace("|", "¦"),
+        {"length": "72", "href": f"{url}/dashboard"},
+    )
+    assert sum(t.startswith("Lost:") for t in texts) == 1
+
+
+async def test_no_lost_line_with_only_new_content_nothing_in_the_window_or_no_route(
+    aiohttp_server, sandbox
+):
+    only_new = diagnosis(cause("new_content", 900, 1.0, "nothing to change"))
+    empty = diagnosis() | {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                           "hit_ratio": None, "by_model": [], "by_tenant": [],
+                           "by_session": []}  # fmt: skip
+    for body in (only_new, empty, None):
+        url = await stats_server(aiohttp_server, {"hit_ratio": 0.5}, diagnosis=body)
+        texts = [t for t, _ in parse_output(await run_plugin(url, sandbox))]
+        assert texts[0] == "⚡ 50%"
+        assert not any(t.startswith("Lost") for t in texts), texts
+
+
+async def test_lost_line_needs_the_key_like_the_other_cache_routes(aiohttp_server, sandbox):
+    body = diagnosis(cause("expired", 300, 1.0, "300 tokens expired: a TTL of 3h keeps them",
+                           "cache.session_ttl", "3h"))  # fmt: skip
+    url = await stats_server(aiohttp_server, {"hit_ratio": 0.5}, key="k1", diagnosis=body)
+    lines = parse_output(await run_plugin(url, sandbox, MLX_PROMPT_CACHE_API_KEY="k1"))
+    assert ("Lost: expired, 300 tokens (100%): 300 tokens expired: a TTL of 3h keeps them",
+            {"length": "72", "href": f"{url}/dashboard"}) in lines  # fmt: skip
+
+
+async def test_real_proxy_lost_line_is_its_diagnosis_top_cause(server, sandbox):
+    """The plugin against the real proxy: a bypassed request is a cause besides new
+    content, and the line names the top one the diagnosis ranks, with its fix."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    await client.chat.completions.create(
+        model="demo-llama",
+        messages=[{"role": "user", "content": "menu bar lost tokens: " + "tokens " * 60}],
+        max_tokens=1,
+        extra_headers={"x-session-id": "menubar-bypass", "x-prompt-cache": "bypass"},
+    )
+    lines = parse_output(await run_plugin(server.url, sandbox))
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        r = await http.get("/v1/cache/diagnosis", params={"window": "1h"})
+    assert r.status_code == 200, r.text
+    top = next(c for c in r.json()["causes"] if c["cause"] != "new_content")
+    fix = top["fix"]["text"].replace("|", "¦")
+    for control in "\n\t\r":  # the plugin's JSON reader writes them as spaces
+        fix = fix.replace(control, " ")
+    expected = f"Lost: {top['cause']}, {top['tokens']} tokens ({top['share'] * 100:.0f}%): {fix}"
+    assert (expected, {"length": "72", "href": f"{server.url}/dashboard"}) in lines

@@ -1,6 +1,7 @@
 // The cache dashboard: polls the /v1/cache/* routes every 2 s and keeps the history for
 // its charts in this page. Plain DOM, no framework; every server string goes in through
-// textContent, since session ids and prompt snippets are whatever clients sent.
+// textContent, since session ids and prompt snippets are whatever clients sent. The
+// helpers are format.js's; the Lost tokens card is lost.js's.
 "use strict";
 
 (() => {
@@ -27,7 +28,7 @@
     tier_late: "SSD or shared tier too slow",
   };
 
-  const $ = (id) => document.getElementById(id);
+  const { $, el, bytes, pct, count, seconds, ago, clock, showNote, problem } = Dash;
   const hitHistory = { t: [], overall: [], recent: [] };
   const seenRequests = new Map(); // request id -> {time, ttft_s, source}
   let hitChart = null;
@@ -36,41 +37,6 @@
   let sessionsKey = "";
   let lastSessions = [];
   let inflight = null; // the poll under way, so a button's refresh waits for it
-
-  // ---------------------------------------------------------------------------------
-  // Formatting
-
-  function bytes(n) {
-    if (n == null) return "–";
-    const units = ["B", "KB", "MB", "GB", "TB"];
-    let i = 0;
-    while (n >= 1000 && i < units.length - 1) {
-      n /= 1000;
-      i++;
-    }
-    return i === 0 ? `${n} B` : `${n.toFixed(1)} ${units[i]}`;
-  }
-  const pct = (r) => (r == null ? "–" : `${(r * 100).toFixed(r > 0 && r < 0.1 ? 1 : 0)}%`);
-  const count = (n) => (n == null ? "–" : Number(n).toLocaleString("en-US"));
-  function seconds(s) {
-    if (s == null) return "–";
-    return s < 1 ? `${Math.round(s * 1000)} ms` : `${s.toFixed(2)} s`;
-  }
-  function ago(t) {
-    const s = Math.max(0, Date.now() / 1000 - t);
-    if (s < 60) return `${Math.round(s)} s ago`;
-    if (s < 3600) return `${Math.round(s / 60)} min ago`;
-    if (s < 86400) return `${(s / 3600).toFixed(1)} h ago`;
-    return `${(s / 86400).toFixed(1)} d ago`;
-  }
-  const clock = (t) => new Date(t * 1000).toLocaleTimeString([], { hour12: false });
-
-  function el(tag, text, cls) {
-    const e = document.createElement(tag);
-    if (text != null) e.textContent = String(text);
-    if (cls) e.className = cls;
-    return e;
-  }
 
   // ---------------------------------------------------------------------------------
   // Talking to the server (same origin; the key, when there is one, as a bearer token)
@@ -96,27 +62,8 @@
     return { status: r.status, body };
   }
 
-  // A route this server does not have falls through to the upstream: a 404, or a 502 when
-  // LM Studio is not running. Either way the panel says so instead of breaking the page.
-  function problem(res, path) {
-    if (res.status === 0) return `cannot reach the server (${res.error})`;
-    let message = (res.body && res.body.error && res.body.error.message) || "";
-    if (message.length > 160) message = `${message.slice(0, 157)}…`;
-    const detail = `HTTP ${res.status}${message ? `: ${message}` : ""}`;
-    if ([404, 405, 501, 502, 504].includes(res.status)) {
-      return `${path} is not available on this server (${detail})`;
-    }
-    return `${path} failed (${detail})`;
-  }
-
   // ---------------------------------------------------------------------------------
   // Rendering
-
-  function showNote(id, text) {
-    const note = $(id);
-    note.hidden = !text;
-    note.textContent = text || "";
-  }
 
   function renderStatus(stats) {
     const status = $("status");
@@ -430,19 +377,21 @@
   }
 
   async function pollOnce() {
-    const [stats, sessions, recent] = await Promise.all([
+    const [stats, sessions, recent, lost] = await Promise.all([
       call("GET", "/v1/cache/stats"),
       call("GET", "/v1/cache/sessions"),
       call("GET", `/v1/cache/requests?limit=${RECENT_LIMIT}`),
+      call("GET", "/v1/cache/diagnosis"),
     ]);
     renderStatus(stats);
-    renderKeyForm([stats, sessions, recent]);
+    renderKeyForm([stats, sessions, recent, lost]);
     if (stats.status === 200) renderCards(stats.body);
     renderAlert(stats, recent);
     recordHistory(stats, recent);
     renderCharts(recent);
     renderSessions(sessions);
     renderRecent(recent);
+    LostTokens.render(lost);
     document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
   }
 
