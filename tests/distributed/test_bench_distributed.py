@@ -136,11 +136,19 @@ def test_the_rows_set_ours_on_two_ranks_against_mlx_lm_and_against_one_rank():
     split = {"ssd_bytes": [40, 41], "kv_bytes": [0, 0]}
     split |= {"layout": ["tensor 0/2", "tensor 1/2"], "ram_bytes": [500, 510]}
     held = {"ours": split, "ours_1rank": dist.per_rank({"ram": {"bytes": 1000}, "ssd": None})}
-    dist.summarize(result, held, "the next call")
+    kinds = [dist.NEW_SESSION, dist.TOOL_ROUND, dist.NEW_QUESTION]  # the first call is cold
+    dist.summarize(result, held, "the next call", kinds)
     rows = {r.metric: r for r in result.rows}
     assert result.rows[0].metric == dist.HEADLINE
     assert result.rows[0].values == pytest.approx({"ours": 0.3, "mlx_lm": 0.8})
     assert result.rows[0].ratios == pytest.approx({"mlx_lm / ours": 0.8 / 0.3})
+    tool = rows["mean TTFT of warm turns: tool round (1), 2 ranks (s)"]
+    assert tool.values == pytest.approx({"ours": 0.2, "mlx_lm": 0.6})
+    assert tool.note == "hit ratio (cached / prompt tokens): ours 0.900, mlx_lm null"
+    question = rows["mean TTFT of warm turns: new question (1), 2 ranks (s)"]
+    assert question.ratios == pytest.approx({"mlx_lm / ours": 2.5})
+    assert result.metrics["warm_ttft_new_question_mlx_lm_over_ours"] == pytest.approx(2.5)
+    assert not any("new session" in m for m in rows), "no warm turn of that kind"
     one = rows["mean TTFT of warm agent turns (2..N), ours on 1 rank (s)"]
     assert one.ratios == pytest.approx({"ours 2 ranks / 1 rank": 3.0})
     # 10 tokens after the first, in the second after it, on every turn.
@@ -195,6 +203,15 @@ def test_stop_tree_ends_what_the_world_started_in_a_session_of_its_own(tmp_path)
     assert os.getpgid(grandchild.pid) != os.getpgid(proc.pid)
     assert stop_tree(proc, timeout=5) < 15
     assert proc.returncode is not None and not grandchild.is_running()
+
+
+def test_each_call_of_the_agent_trace_is_a_tool_round_a_new_question_or_a_new_session():
+    kw = {"system_chars": 500, "tool_detail_chars": 0, "result_chars": 200,
+          "compact_tools": True}  # fmt: skip
+    calls = traces.agent_trace(0, calls_per_session=(6, 2), **kw).calls
+    kinds = [dist.turn_kind(c) for c in calls]
+    tool, question, session = dist.TOOL_ROUND, dist.NEW_QUESTION, dist.NEW_SESSION
+    assert kinds == [session, tool, tool, tool, question, tool, session, tool]
 
 
 def test_the_turn_after_the_restart_adds_the_sessions_next_tool_round():

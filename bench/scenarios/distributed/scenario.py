@@ -1,16 +1,20 @@
-"""The distributed scenario: an agent session on demo-hybrid split across two ranks.
+"""The distributed scenario: the agent trace on demo-qwen36 split across two ranks.
 
 For each split (by heads, "tensor"; by layers, "pipeline") three servers get the same
-session in one run, one after the other: ours on 2 ranks (`serve --ranks 2 --split MODE`),
+requests in one run, one after the other: ours on 2 ranks (`serve --ranks 2 --split MODE`),
 ours on 1 rank (plain `serve`), and mlx_lm.server's own distributed mode on 2 ranks
-(`mlx.launch ... mlx_lm.server [--pipeline]`). It reports the TTFT of the warm turns (the
-cache's work: only the new tokens are prefilled, on every rank), the decode rate (the
-split's work: each token crosses the ranks' links), the share of each prompt from the
-cache, and what each rank's cache holds against the whole model's cache for the same turns
-(each rank holds its slice of every block: about half on two ranks). Then both split worlds
-are restarted whole (every rank stopped cleanly, started again: ours on the same cache dir)
-and get the session's next call: ours should load its prefix back from every rank's SSD,
-where mlx_lm.server, whose cache lives in RAM only, starts cold.
+(`mlx.launch ... mlx_lm.server [--pipeline]`). The requests are the agent scenario's trace:
+a coding-agent session of tool rounds with a new user request every fifth call, then a
+second session in the same project (Claude Code's billing header changes). The model is
+demo-qwen36: Qwen3.6-35B-A3B's layers, experts and real chat template, which drops every
+earlier round's thinking once a new question comes. It reports the TTFT of the warm turns
+(every call but the first), overall and by kind of turn, the decode rate (the split's work:
+each token crosses the ranks' links), the share of each prompt from the cache, and what
+each rank's cache holds against the whole model's cache for the same turns (each rank
+holds its slice of every block: about half on two ranks). Then both split worlds are
+restarted whole (every rank stopped cleanly, started again: ours on the same cache dir)
+and get the second session's next tool round: ours should load its prefix back from every
+rank's SSD, where mlx_lm.server, whose cache lives in RAM only, starts cold.
 
 Ranks on one machine share its cores, so on a small CPU the split is slower than the whole
 model; the ratios, measured side by side, are what to read, never the bare seconds.
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +32,12 @@ from ... import traces
 from ...harness import Harness, Settings, resolve_model, stats
 from ...results import Row, Sample, ScenarioResult, mean, ratio, total
 from ...servers import ModelSpec
-from .worlds import World, WorldServer, restart, serving, worlds
+from .worlds import World, WorldServer, restart, serving, with_real_template, worlds
 
-MODEL = "demo-hybrid"  # Qwen3.5's layer kinds; splits by heads and by layers alike
+# The user's model's shape (Gated DeltaNet and attention layers, experts, the 248k
+# vocabulary) with Qwen3.6's real template; mlx-lm splits it by heads and by layers alike.
+MODEL = "demo-qwen36"
+REAL_TEMPLATE = "qwen3_6.jinja"
 MODES = ("tensor", "pipeline")
 RANKS = 2
 KEYS = ("ours", "ours_1rank", "mlx_lm")  # World.key of worlds(): 2 ranks, 1 rank, mlx_lm
@@ -44,9 +51,11 @@ SETTLE_POLLS = 8
 HEADLINE = f"mean TTFT of warm agent turns (2..N), {RANKS} ranks (s)"
 RESTARTED = "after-restart"  # the label of the next turn's sample, after the restart
 RESTART_TTFT = "TTFT of the next turn after a restart of every rank (s)"
-# Calls the trace goes on past the turns, to find the session's next tool round in: every
-# fifth call of a session is a new user request, the others tool rounds.
+# Calls the trace goes on past the turns, to find the last session's next tool round in:
+# every fifth call of a session is a new user request, the others tool rounds.
 LOOKAHEAD = 5
+# The kinds of warm turn, by what the call adds to what the server saw before.
+TOOL_ROUND, NEW_QUESTION, NEW_SESSION = "tool round", "new question", "new session"
 TARGETS = (
     "target mlx_lm / ours ≥ 2 (ours ≤ 0.5× mlx_lm.server's distributed mode); "
     "each rank ≈ 1/2 of the whole model's cache"
@@ -55,10 +64,10 @@ TARGETS = (
 
 @dataclass(frozen=True, slots=True)
 class Sizes:
-    """The agent session: one session of `calls` requests (then the next turn, sent after
-    the restart), and the tokens each generates."""
+    """The agent trace: sessions of `calls` requests each (then the last session's next
+    turn, sent after the restart), and the tokens each generates."""
 
-    calls: int
+    calls: tuple[int, ...]
     system_chars: int
     result_chars: int
     tool_detail_chars: int
@@ -68,19 +77,25 @@ class Sizes:
     @classmethod
     def of(cls, settings: Settings) -> Sizes:
         if settings.quick:  # schemas without descriptions: prefills that fit a 2-core CPU
-            return cls(4, 2000, 800, 0, True, max(settings.max_tokens, 24))
-        return cls(8, 9000, 3000, 300, False, max(settings.max_tokens, 64))
+            # Session 1: four tool rounds and a new question; session 2: three calls.
+            return cls((5, 3), 2000, 800, 0, True, max(settings.max_tokens, 24))
+        return cls((12, 8), 9000, 3000, 300, False, max(settings.max_tokens, 64))
+
+    @property
+    def turns(self) -> int:
+        return sum(self.calls)
 
 
 def distributed(settings: Settings, model: ModelSpec) -> list[ScenarioResult]:
     """Ours split, ours whole and mlx_lm.server split, on each split mode of demo-hybrid."""
     spec = split_model(settings)
     sizes = Sizes.of(settings)
-    # The session goes on past the turns, for the next turn after the restart (a session's
-    # first calls do not depend on how many follow): run_split sends `sizes.calls` turns.
+    # The last session goes on past the turns, for the next turn after the restart (a
+    # session's first calls do not depend on how many follow): run_split sends the turns.
+    *first, last = sizes.calls
     trace = traces.agent_trace(
         settings.seed,
-        calls_per_session=(sizes.calls + LOOKAHEAD,),
+        calls_per_session=(*first, last + LOOKAHEAD),
         system_chars=sizes.system_chars,
         tool_detail_chars=sizes.tool_detail_chars,
         result_chars=sizes.result_chars,
@@ -93,12 +108,19 @@ def distributed(settings: Settings, model: ModelSpec) -> list[ScenarioResult]:
 
 
 def split_model(settings: Settings) -> ModelSpec:
-    """demo-hybrid as the run has it, or built beside the run's other demo models."""
-    for m in (settings.model, *settings.hybrid_models):
-        if m.id == MODEL:
-            return m
-    root = settings.model.path.parent if settings.model.is_demo else settings.out / "models"
-    return resolve_model(MODEL, root)
+    """demo-qwen36 as the run has it, or built beside the run's other demo models; on
+    Qwen3.6's real chat template where ../shared/templates has it, as a user's download
+    ships it (the demo's template drops past reasoning on every new question)."""
+    model = next((m for m in (settings.model, *settings.hybrid_models) if m.id == MODEL), None)
+    if model is None:
+        root = settings.model.path.parent if settings.model.is_demo else settings.out / "models"
+        model = resolve_model(MODEL, root)
+    from engine_bridge.models.demo.real_templates import templates_dir
+
+    template = templates_dir() / REAL_TEMPLATE
+    if not template.is_file():
+        return model
+    return with_real_template(model, settings.out / "work" / "distributed", template)
 
 
 def _name(model: ModelSpec, mode: str) -> str:
@@ -123,22 +145,23 @@ def run_split(
 ) -> ScenarioResult:
     result = ScenarioResult("distributed", _name(model, mode))
     held: dict[str, dict[str, list[Any]]] = {}
-    turns = trace.calls[: sizes.calls]
-    following, next_turn = next_tool_round(turns[-1], trace.calls[sizes.calls :])
+    turns = trace.calls[: sizes.turns]
+    following, next_turn = next_tool_round(turns[-1], trace.calls[sizes.turns :])
     with Harness(settings, result, model) as h:
         for world in worlds(mode, RANKS):
             h.progress(f"{mode}: starting", world.label)
             with serving(h, world, model) as server:
                 for i, call in enumerate(turns):
                     sample = send(h, server, world, call, i, sizes.max_tokens)
-                    h.progress(f"{mode} turn {i + 1}/{len(turns)}", world.key, sample)
+                    step = f"{mode} call {i + 1}/{len(turns)} ({turn_kind(call)})"
+                    h.progress(step, world.key, sample)
                 if world.kind == "ours":
                     held[world.key] = holdings(server, world)
                     h.progress(f"{mode}: cache RAM bytes by rank {held[world.key]}", world.key)
                 if world.ranks > 1:
                     after_restart(h, server, world, following, len(turns), sizes.max_tokens)
     result.metrics |= {"calls": len(turns), "max_tokens": sizes.max_tokens}
-    summarize(result, held, next_turn)
+    summarize(result, held, next_turn, [turn_kind(c) for c in turns])
     result.notes.append(
         "ours gets the Anthropic request, mlx_lm.server the same call converted to OpenAI "
         "(traces.to_openai); the servers ran one at a time, in the order ours on 2 ranks, "
@@ -154,11 +177,23 @@ def send(
 ) -> Sample:  # fmt: skip
     body = call.anthropic(server.model_name, max_tokens)
     if world.kind == "mlx_lm":
-        sample = h.send(server, "openai", traces.to_openai(body), step, label)
+        sample = h.send(server, "openai", traces.to_openai(body), step, label, call.session)
     else:
-        sample = h.send(server, "anthropic", body, step, label)
+        sample = h.send(server, "anthropic", body, step, label, call.session)
     sample.server = world.key  # ours on 2 ranks and on 1 are both kind "ours"
     return sample
+
+
+def turn_kind(call: traces.AgentCall) -> str:
+    """What a call adds to the session's previous one: a tool round (results of the tools
+    the model called), a new question (the template then drops earlier thinking), or the
+    first call of a later session (a new billing header, the same system prompt and tools)."""
+    if call.index == 0:
+        return NEW_SESSION
+    *_, last = call.body["messages"]
+    if any(b.get("type") == "tool_result" for b in last["content"]):
+        return TOOL_ROUND
+    return NEW_QUESTION
 
 
 def after_restart(
@@ -261,8 +296,12 @@ def hit_ratio(samples: Iterable[Sample]) -> float | None:
 
 
 def summarize(
-    result: ScenarioResult, held: dict[str, dict[str, list[Any]]], next_turn: str = ""
+    result: ScenarioResult,
+    held: dict[str, dict[str, list[Any]]],
+    next_turn: str = "",
+    kinds: Sequence[str] = (),
 ) -> None:
+    """The rows; `kinds`: each turn's kind (turn_kind), by its step, for the rows by kind."""
     warm = {k: result.of(k)[1:] for k in KEYS}
     ttft = {k: mean(s.ttft_s for s in v) for k, v in warm.items()}
     decode = {k: decode_rate(result.of(k)) for k in KEYS}
@@ -272,8 +311,8 @@ def summarize(
     result.rows += [
         Row(HEADLINE, {"ours": ttft["ours"], "mlx_lm": ttft["mlx_lm"]},
             {"mlx_lm / ours": ratio(ttft["mlx_lm"], ttft["ours"])},
-            note="turns 2..N of one coding-agent session: each adds a tool round to the "
-            f"last; {TARGETS}"),
+            note="every call but the first of the agent trace (tool rounds, new questions, "
+            f"a second session); {TARGETS}"),
         Row(f"mean TTFT of warm agent turns (2..N), {one} (s)", {"ours": ttft["ours_1rank"]},
             {vs_one: ratio(ttft["ours"], ttft["ours_1rank"])},
             note="the same server, the model whole in one process"),
@@ -287,6 +326,7 @@ def summarize(
             {"ours": hits["ours"], "mlx_lm": hits["mlx_lm"]}),
         Row(f"token hit ratio of warm turns, {one}", {"ours": hits["ours_1rank"]}),
     ]  # fmt: skip
+    _kind_rows(result, warm, kinds)
     _restart_rows(result, next_turn)
     _holding_rows(result, held)
     result.metrics |= {
@@ -303,6 +343,30 @@ def summarize(
     result.metrics["greedy_outputs_equal_2ranks_vs_1rank"] = sum(same) / len(same) if same else None
     if all(s.cached_tokens is None for s in result.of("mlx_lm")):
         result.notes.append("mlx_lm.server reported no cached tokens: its hit ratio is null")
+
+
+def _kind_rows(result: ScenarioResult, warm: dict[str, list[Sample]], kinds: Sequence[str]) -> None:
+    """The warm turns' TTFT and hit ratio by kind of turn, on 2 ranks: where each server's
+    cache keeps up (a tool round appends to the last prompt on both) and where it does not."""
+    for kind in (TOOL_ROUND, NEW_QUESTION, NEW_SESSION):
+        of = {k: [s for s in warm[k] if s.step < len(kinds) and kinds[s.step] == kind]
+              for k in ("ours", "mlx_lm")}  # fmt: skip
+        if not of["ours"]:
+            continue
+        ttft = {k: mean(s.ttft_s for s in v) for k, v in of.items()}
+        hits = {k: hit_ratio(v) for k, v in of.items()}
+        result.rows.append(
+            Row(f"mean TTFT of warm turns: {kind} ({len(of['ours'])}), {RANKS} ranks (s)", ttft,
+                {"mlx_lm / ours": ratio(ttft["mlx_lm"], ttft["ours"])},
+                note="hit ratio (cached / prompt tokens): "
+                + ", ".join(f"{k} {_fmt(v)}" for k, v in hits.items()))
+        )  # fmt: skip
+        key = kind.replace(" ", "_")
+        result.metrics[f"warm_ttft_{key}_mlx_lm_over_ours"] = ratio(ttft["mlx_lm"], ttft["ours"])
+
+
+def _fmt(value: float | None) -> str:
+    return "null" if value is None else f"{value:.3f}"
 
 
 def _restart_rows(result: ScenarioResult, next_turn: str) -> None:

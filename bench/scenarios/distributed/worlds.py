@@ -145,6 +145,24 @@ def with_weight_index(model: ModelSpec, work: Path) -> ModelSpec:
     return ModelSpec(model.id, dest, is_demo=False)
 
 
+def with_real_template(model: ModelSpec, work: Path, template: Path) -> ModelSpec:
+    """The model as a user's download ships it: its files linked into a folder of its own
+    (named as the model is), its tokenizer_config.json carrying `template`, the real chat
+    template (../shared/templates) in place of the demo's."""
+    dest = work / f"{model.path.name}-real-template" / model.id
+    config_path = dest / "tokenizer_config.json"
+    if not config_path.is_file():
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in model.path.iterdir():
+            link = dest / f.name
+            if f.name not in ("tokenizer_config.json", "demo_build.json") and not link.exists():
+                link.symlink_to(f.resolve())
+        config = json.loads((model.path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        config["chat_template"] = template.read_text(encoding="utf-8")
+        config_path.write_text(json.dumps(config), encoding="utf-8")
+    return ModelSpec(model.id, dest, is_demo=False)
+
+
 def safetensors_keys(path: Path) -> list[str]:
     """The tensor names in a .safetensors file's header (8 bytes of length, then JSON)."""
     with path.open("rb") as f:
