@@ -121,6 +121,7 @@ class Engine:
             on_result=self._record,
             on_done=self._on_done,
             before_room=self.warm_ahead.stop_current,
+            diagnosis=self.request_log.diagnosis,
         )
         # Across ranks: what each rank's slices hold, gathered on rank 0 (figures.py).
         self.figures: RankFigures | None = None
@@ -259,8 +260,7 @@ class Engine:
         return self.request_log.reason_totals()
 
     def diagnosis(self, window_s: float | None = None, **only: str | None) -> dict[str, Any]:
-        """The window's tokens computed again, ranked by cause, each with its fix; `only`:
-        model, tenant or session. Reads the SSD's index: call it off the event loop."""
+        """Lost tokens by cause, each with its fix (reads the SSD's index: off the loop)."""
         ctx = diagnosis_report.context(self.settings, self.tiers.stats(),
                                        self.models.memory.pressure, self.template_defaults)  # fmt: skip
         return diagnosis_report.report(self.request_log.diagnosis, ctx, window_s, **only)
@@ -428,6 +428,7 @@ class Engine:
             "reasoning_memo": asdict(self.turns.reasoning.stats()),
             # A split model: what each rank holds, as last gathered (rank_stats).
             "ranks": self.figures.last if self.figures is not None else None,
+            "autotune": self.models.autotune_stats(),
         }
 
     def follow(self) -> None:
@@ -486,6 +487,7 @@ def _tiers(settings: EngineSettings, root: Path) -> TieredCache:
             settings.ram_budget_bytes,
             block_size=settings.cache_policy.block_size,
             keep_newest_periodic=settings.cache_policy.keep_periodic,
+            protect_frequent=settings.ram_protect_frequent,
         ),  # fmt: skip
         ssd,
         kv.HostCodec(),

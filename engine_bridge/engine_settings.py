@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
 __all__ = [
+    "AutotuneSettings",
     "BYTES_BUCKETS",
     "CLAUDE_CODE_BILLING_HEADER",
     "LATENCY_BUCKETS_S",
@@ -40,6 +41,15 @@ __all__ = [
     "WritePolicy",
     "resolve_write_policy",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class AutotuneSettings:
+    """`[autotune]`: the RAM budget and eviction policy tuned by load (ops/autotune.py)."""
+
+    enabled: bool = False  # the server's config turns it on ([autotune] enabled)
+    ram_max_bytes: int | None = None  # None: twice the configured budget
+    interval_s: float = 10.0
 
 
 @dataclass(slots=True)
@@ -159,6 +169,10 @@ class EngineSettings:
     # shrinks, spilling to SSD, instead of the OS killing the process; None: no guard.
     ram_min_available_bytes: int | None = None
     memory_check_s: float = 2.0
+    # The share of the RAM budget entries read twice or more keep past eviction's turn
+    # (cache/ram/manager.py); 0: plain LRU. [autotune] adapts it.
+    ram_protect_frequent: float = 0.0
+    autotune: AutotuneSettings = field(default_factory=AutotuneSettings)
     # The RAM tier never shrinks below this under pressure (a few sessions' prefixes).
     ram_pressure_min_budget_bytes: int = 64 << 20
     idle_unload_s: float | None = None

@@ -24,6 +24,8 @@ from .models import loading as models
 from .models.loading import LoadedModel, ModelRef
 from .models.preflight import Preflight
 from .ops import heap
+from .ops.autotune import Autotune
+from .ops.diagnosis import Diagnosis
 from .ops.memory import HEAP_TRIM_S, MemoryGuard, release_memory
 from .prompt_cache import ModelCache
 from .scheduling.jobs import Job
@@ -179,6 +181,7 @@ class ModelLifecycle:
         on_result: Callable[[GenerationRequest, GenerationResult], None],
         on_done: Callable[[LoadedModel, object, GenerationResult], None],
         before_room: Callable[[], Awaitable[None]],
+        diagnosis: Diagnosis | None = None,
     ):
         self.table = ServedModels()
         self.settings = settings
@@ -187,6 +190,11 @@ class ModelLifecycle:
         self.sessions = sessions
         self.memory = MemoryGuard(tiers, settings)
         self.preflight = Preflight(settings, scheduler, tiers)
+        # The RAM budget and eviction policy tuned by load, after the guard (autotune.py).
+        tuned = settings.autotune.enabled and settings.cache_enabled
+        self.autotune = (
+            Autotune(settings.autotune, tiers.ram, self.memory, diagnosis) if tuned else None
+        )
         # Awaited before a model loads in-process, with what is about to load: the proxy
         # asks LM Studio to let go of its own copy of the same weights.
         self.before_load: Callable[[ModelRef], Awaitable[None]] | None = None
@@ -310,16 +318,22 @@ class ModelLifecycle:
             unloaded.append(model_id)
         return unloaded
 
+    def autotune_stats(self) -> dict:
+        return self.autotune.stats() if self.autotune is not None else {"enabled": False}
+
     async def janitor(self) -> None:
-        """The memory guard, and idle unloading, while serving."""
+        """The memory guard, the autotuner, and idle unloading, while serving."""
         # Across ranks, rank 0 alone decides an unload (a shared step: lockstep.py).
         idle = self.settings.idle_unload_s if self.world.leader else 0
         guard = self.settings.ram_min_available_bytes is not None and self.settings.cache_enabled
-        if not idle and not guard:
+        tune = self.autotune
+        if not idle and not guard and tune is None:
             return
         idle_period = max(1.0, min(30.0, idle / 4)) if idle else 0.0
-        period = self.settings.memory_check_s if guard else idle_period
-        last_idle_check = last_trim = time.monotonic()
+        periods = [self.settings.memory_check_s if guard else 0, idle_period,
+                   tune.settings.interval_s if tune else 0]  # fmt: skip
+        period = min(p for p in periods if p > 0)
+        last_idle_check = last_trim = last_tune = time.monotonic()
         while True:
             await asyncio.sleep(period)
             if guard:
@@ -329,6 +343,10 @@ class ModelLifecycle:
                 if time.monotonic() - last_trim >= HEAP_TRIM_S:
                     last_trim = time.monotonic()
                     await asyncio.to_thread(heap.trim)
+            if tune is not None and time.monotonic() - last_tune >= tune.settings.interval_s:
+                last_tune = time.monotonic()
+                # After the guard's own check, and on the MLX thread too (a give-back evicts).
+                await self.scheduler.run(tune.tick)
             if idle and time.monotonic() - last_idle_check >= idle_period:
                 last_idle_check = time.monotonic()
                 await self.unload_idle(idle)

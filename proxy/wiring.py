@@ -9,6 +9,7 @@ import psutil
 
 from engine_bridge.engine_settings import (
     CLAUDE_CODE_BILLING_HEADER,
+    AutotuneSettings,
     CachePolicy,
     EngineSettings,
     Mode,
@@ -78,6 +79,14 @@ def engine_settings(config: Config, rank: bool = False) -> EngineSettings:
         kv_memory_bytes=None
         if engine.kv_memory is None
         else resolve_kv_memory(engine.kv_memory, ram.total),
+        ram_protect_frequent=cache.ram.protect_frequent,
+        autotune=AutotuneSettings(
+            enabled=config.autotune.enabled,
+            ram_max_bytes=None
+            if config.autotune.ram_max == "auto"
+            else parse_size(config.autotune.ram_max),
+            interval_s=parse_duration(config.autotune.interval),
+        ),
         cache_policy=CachePolicy(
             block_size=cache.block_size,
             checkpoint_interval=cache.ram.checkpoint_interval,

@@ -72,13 +72,22 @@ class MemoryGuard:
         self.pressure = MemoryPressure(
             floor_bytes=settings.ram_min_available_bytes, budget_bytes=settings.ram_budget_bytes
         )
+        # What the autotuner added to the configured budget (autotune.py): the guard holds,
+        # and grows back to after pressure, the sum.
+        self.extra_bytes = 0
+
+    @property
+    def target_bytes(self) -> int:
+        """The budget to hold: the configured one (the preflight may derive it again at a
+        load) plus what tuning added."""
+        return self._settings.ram_budget_bytes + self.extra_bytes
 
     def check(self, available: int | None = None) -> int:
         """Shrink the RAM tier while the system's available memory is under the floor, and
         give the budget back (in steps) once it is not. Returns the RAM tier's budget."""
         floor = self._settings.ram_min_available_bytes
         ram = self._tiers.ram
-        configured = self._settings.ram_budget_bytes
+        configured = self.target_bytes
         if floor is None:
             return ram.budget_bytes
         available = psutil.virtual_memory().available if available is None else available

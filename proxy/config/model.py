@@ -122,6 +122,9 @@ class RamCacheConfig:
     quantize_bits: int = 0
     checkpoint_interval: int = 1024
     keep_periodic: bool = False
+    # The share of the budget entries read twice or more keep past eviction's turn (0:
+    # plain LRU); [autotune] adapts it from here.
+    protect_frequent: float = 0.0
     # Memory pressure: when the system's available memory falls below this ("5%" of all
     # RAM, or a size), the RAM tier shrinks and spills to SSD; "off" turns the guard off.
     min_available: str | int = "5%"
@@ -225,6 +228,16 @@ class DistributedConfig:
 
 
 @dataclass(slots=True)
+class AutotuneConfig:
+    # The RAM budget and eviction policy tuned by load (docs/observability.md): the budget
+    # grows from [cache.ram] budget up to `ram_max` while evicted entries keep coming back,
+    # and protect_frequent follows what came back. false: the fixed settings, exactly.
+    enabled: bool = True
+    ram_max: str | int = "auto"  # "auto": twice [cache.ram] budget; or a size
+    interval: str | float = "10s"
+
+
+@dataclass(slots=True)
 class AlertsConfig:
     # Alerts that name a cause of lost tokens and its fix (GET /v1/cache/diagnosis): when
     # the hit ratio falls below [cache] alert_hit_ratio, or one cause passes `cause_share`
@@ -250,6 +263,7 @@ class Config:
     vision: VisionConfig = field(default_factory=VisionConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    autotune: AutotuneConfig = field(default_factory=AutotuneConfig)
     # [model."<pattern>"] sections: per-model sampling defaults and template kwargs,
     # keyed by model id, LM Studio key or a glob over either (config/model_settings.py).
     model: dict[str, ModelSettings] = field(default_factory=dict)

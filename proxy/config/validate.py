@@ -144,6 +144,13 @@ def validate(config: Config, origins: Origins) -> None:
     parses("cache.ssd.checkpoint_write_delay", parse_duration, c.ssd.checkpoint_write_delay)
     validate_shared(c.shared, check, parses)
     check("tenants.header", bool(config.tenants.header.strip()), "must not be empty")
+    t = config.autotune
+    if t.ram_max != "auto":
+        parses("autotune.ram_max", parse_size, t.ram_max)
+    parses("autotune.interval", parse_duration, t.interval)
+    check("autotune.interval", parse_duration(t.interval) >= 1, "must be at least 1s")
+    pf = c.ram.protect_frequent
+    check("cache.ram.protect_frequent", 0 <= pf <= 0.9, f"must be 0 to 0.9, got {pf}")
     a = config.alerts
     check("alerts.cause_share", 0 <= a.cause_share <= 1, f"must be 0 to 1, got {a.cause_share}")
     check("alerts.min_tokens", a.min_tokens >= 0, f"must be 0 or more, got {a.min_tokens}")

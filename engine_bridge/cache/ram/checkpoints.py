@@ -39,6 +39,7 @@ class Checkpoint:
     payload: object = field(repr=False)
     nbytes: int
     ref_cnt: int = 0
+    reads: int = 0  # lookups that restored it (halved each time eviction spares it)
     # A deeper checkpoint on the same path makes this one redundant (supersede.py).
     superseded: bool = False
     # The first message boundary on its path (the system prompt's end): never superseded,

@@ -4,6 +4,12 @@ Eviction is LRU by bytes over one queue holding unreferenced blocks and checkpoi
 request's entries are released deepest first and blocks are inserted deepest first, so
 within a conversation the leaves are evicted before the prefix they hang from; an evicted
 block only cuts RAM lookups short at the hole (the SSD tier, fed by `on_evict`, can fill it).
+
+`protect_frequent` (0 by default: plain LRU) lets entries read twice or more pass the head
+of the queue instead of going: up to that share of the budget per eviction, each pass
+halving the entry's reads, so a system prompt every request reads outlives a burst of
+one-off prompts, and an entry no longer read goes in time. The autotuner sets it from
+the ghost lists (ghosts.py), which also say what a larger budget would have kept.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from engine_bridge.cache.evictions import EvictionRecord
 from engine_bridge.cache.hashing import BLOCK_SIZE, BlockHash, Chain
 from engine_bridge.cache.kinds import CheckpointReason, EntryKind
 from engine_bridge.cache.ram.checkpoints import Checkpoint, CheckpointStore
+from engine_bridge.cache.ram.ghosts import GhostHits, Ghosts
 from engine_bridge.cache.ram.matching import Match, find_match, find_matches
 from engine_bridge.cache.ram.pool import Block, BlockPool, FreeQueue
 from engine_bridge.cache.ram.supersede import mark_superseded
@@ -80,6 +87,7 @@ class CacheManager:
         on_evict: OnEvict | None = None,
         thin_periodic: bool = True,
         keep_newest_periodic: bool = False,
+        protect_frequent: float = 0.0,
     ) -> None:
         assert budget_bytes >= 0 and block_size > 0, f"budget {budget_bytes}, block {block_size}"
         self.budget_bytes = budget_bytes
@@ -106,6 +114,10 @@ class CacheManager:
         self._superseded = 0
         # What eviction dropped lately, so a later miss can say it was evicted.
         self.evicted = EvictionRecord()
+        # The share of the budget entries read twice or more may keep past the queue's
+        # head, per eviction (module doc); and what came back soon after it went.
+        self.protect_frequent = protect_frequent
+        self._ghosts = Ghosts()
 
     # ---- lookup -------------------------------------------------------------------------
 
@@ -183,8 +195,10 @@ class CacheManager:
     def _pin(self, match: Match) -> None:
         for block in match.blocks:
             self._pool.acquire(block)
+            block.reads += 1
         if match.checkpoint is not None:
             self._checkpoints.acquire(match.checkpoint)
+            match.checkpoint.reads += 1
             match.checkpoint.superseded = False  # reused: live again
         match.pinned = True
 
@@ -221,6 +235,7 @@ class CacheManager:
                 )
                 if created:
                     inserted += 1
+                    self._ghosts.came_back(block.hash)
                 else:
                     deduped += 1
                     self._pool.refresh(block)
@@ -248,6 +263,8 @@ class CacheManager:
             if not created:
                 self._dedupe_hits += 1
                 self._checkpoints.refresh(ckpt)
+            else:
+                self._ghosts.came_back(ckpt.key)
             thins = self.thin_periodic and not (
                 self.keep_newest_periodic and reason is not CheckpointReason.PERIODIC
             )
@@ -298,6 +315,11 @@ class CacheManager:
             freed += reclaim(over)
         return freed
 
+    def ghost_hits(self) -> GhostHits:
+        """Evicted entries that came back into RAM since the last call (ghosts.py)."""
+        with self._lock:
+            return self._ghosts.take()
+
     def add_reclaimer(self, reclaim: Reclaim) -> None:
         """Let a holder of charged bytes be asked for them when the budget shrinks."""
         with self._lock:
@@ -346,8 +368,14 @@ class CacheManager:
     def _evict_to_budget(self, incoming: int = 0) -> list[Entry]:
         """Evict LRU entries until stored + reserved + charged + incoming bytes fit."""
         evicted: list[Entry] = []
+        spare = int(self.protect_frequent * self.budget_bytes)
         while self._held() + incoming > self.budget_bytes and len(self._lru):
             entry = self._lru.popleft()
+            if entry.reads >= 2 and entry.nbytes <= spare:
+                spare -= entry.nbytes
+                entry.reads //= 2  # aged: spared again only if it is read again
+                self._lru.append(entry)
+                continue
             self._forget(entry)
             if entry.kind is EntryKind.BLOCK:
                 self._evicted_blocks += 1
@@ -356,6 +384,7 @@ class CacheManager:
             self._evicted_bytes += entry.nbytes
             evicted.append(entry)
         self.evicted.add(e.key for e in evicted)
+        self._ghosts.add(evicted)
         return evicted
 
     def _forget(self, entry: Entry) -> None:

@@ -36,6 +36,7 @@ class Block:
     payload: object = field(repr=False)
     nbytes: int
     ref_cnt: int = 0
+    reads: int = 0  # lookups that restored it (halved each time eviction spares it)
     # Free-queue links: both None while the block is referenced.
     prev_free: Linked | None = field(default=None, repr=False)
     next_free: Linked | None = field(default=None, repr=False)

@@ -1,0 +1,71 @@
+"""The RAM tier's ghost lists: what it evicted lately, and whether each had been read.
+
+A key that comes back into RAM (computed again, or read back from a tier below) while its
+ghost is here was evicted too soon: a larger budget would have kept it. Whether it had
+been read before it went says which policy would have: a ghost of an entry read again
+(frequent) asks to protect such entries longer, one of an entry never read (recent) asks
+for plain recency, as ARC adapts its lists. The autotuner reads the counts (autotune.py).
+
+Kept like the eviction record (evictions.py): the short int of each key, in two
+generations of at most half the capacity each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_CAPACITY = 1 << 15
+
+
+@dataclass(slots=True)
+class GhostHits:
+    """Ghosts that came back since the last read: entries and bytes, by kind."""
+
+    recent: int = 0
+    recent_bytes: int = 0
+    frequent: int = 0
+    frequent_bytes: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.recent_bytes + self.frequent_bytes
+
+
+class Ghosts:
+    """Not thread-safe: the RAM tier calls it under its lock."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self._half = max(capacity // 2, 1)
+        self._new: dict[int, tuple[bool, int]] = {}  # short key -> (was read, bytes)
+        self._old: dict[int, tuple[bool, int]] = {}
+        self._hits = GhostHits()
+
+    def add(self, entries: Iterable[Any]) -> None:
+        """Entries just evicted (each with `key`, `reads` and `nbytes`)."""
+        for e in entries:
+            short = int.from_bytes(e.key[:8], "little")
+            self._old.pop(short, None)
+            self._new[short] = (e.reads > 0, e.nbytes)
+            if len(self._new) >= self._half:
+                self._old, self._new = self._new, {}
+
+    def came_back(self, key: bytes) -> None:
+        """`key` is in RAM again: count its ghost, if it has one."""
+        short = int.from_bytes(key[:8], "little")
+        ghost = self._new.pop(short, None) or self._old.pop(short, None)
+        if ghost is None:
+            return
+        read, nbytes = ghost
+        if read:
+            self._hits.frequent += 1
+            self._hits.frequent_bytes += nbytes
+        else:
+            self._hits.recent += 1
+            self._hits.recent_bytes += nbytes
+
+    def take(self) -> GhostHits:
+        """The hits since the last take."""
+        hits, self._hits = self._hits, GhostHits()
+        return hits

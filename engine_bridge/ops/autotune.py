@@ -1,0 +1,181 @@
+"""Tuning by load: the RAM budget and the eviction policy, from the RAM tier's ghost lists.
+
+Every `interval` (on the MLX thread, after the memory guard's check, which always wins):
+
+- **RAM budget.** Ghosts that came back (cache/ram/ghosts.py: entries evicted, then needed
+  again) are what a larger budget would have kept. While they keep coming (at least
+  `MIN_GHOST_SHARE` of the budget a tick), the budget grows a step (a quarter of the
+  configured one), up to `ram_max` and only while the machine keeps twice the guard's floor
+  free after it (never toward swap). After `QUIET_TICKS` ticks without a ghost it gives a
+  step back, never below the configured budget.
+- **Eviction policy.** `protect_frequent` (manager.py: the share of the budget entries read
+  twice or more keep past eviction's turn) moves as ARC moves its target: ghosts of entries
+  that had been read push it up (frequency: a shared system prompt must survive a burst of
+  one-off prompts), ghosts of entries never read push it down (recency).
+- **Checkpoint spacing.** Where the diagnosis says hybrid models resumed short of where
+  prompts diverged, each path's newest periodic checkpoint is kept ([cache.ram]
+  keep_periodic).
+
+Each change is logged with its reason and listed in /v1/cache/stats `autotune`. Tuning
+changes what is kept, never what is computed: cached answers still equal bypass.
+`[autotune] enabled = false` builds none of this, and the fixed settings hold exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+if TYPE_CHECKING:
+    from ..cache.ram.manager import CacheManager
+    from ..engine_settings import AutotuneSettings
+    from .diagnosis import Diagnosis
+    from .memory import MemoryGuard
+
+log = logging.getLogger(__name__)
+
+STEP = 0.25  # of the configured budget, per growth or give-back
+MIN_GHOST_SHARE = 0.01  # ghost bytes a tick, of the budget, that count as ghosts hitting
+QUIET_TICKS = 30  # ticks without a ghost before a step of memory goes back
+POLICY_STEP = 0.1
+POLICY_MAX = 0.9
+# Checkpoint spacing: its share of the tokens computed again in the last window, and the
+# least tokens, before periodic checkpoints are kept.
+SPACING_SHARE, SPACING_TOKENS, SPACING_WINDOW_S = 0.1, 1024, 900.0
+HISTORY = 100
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    time: float  # unix seconds
+    setting: str
+    before: Any
+    after: Any
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["from"], out["to"] = out.pop("before"), out.pop("after")
+        return out
+
+
+class Autotune:
+    def __init__(
+        self,
+        settings: AutotuneSettings,
+        ram: CacheManager,
+        guard: MemoryGuard,
+        diagnosis: Diagnosis | None = None,
+    ):
+        self.settings = settings
+        self.ram = ram
+        self.guard = guard
+        self.diagnosis = diagnosis
+        self.changes: deque[Change] = deque(maxlen=HISTORY)
+        self._quiet = 0
+        self._ghosts = {"recent": 0, "frequent": 0, "bytes": 0}
+
+    @property
+    def base_bytes(self) -> int:
+        return self.guard.target_bytes - self.guard.extra_bytes
+
+    @property
+    def max_bytes(self) -> int:
+        return self.settings.ram_max_bytes or 2 * self.base_bytes
+
+    def tick(self, available: int | None = None, total: int | None = None) -> list[Change]:
+        """One look at what came back since the last; the changes it made."""
+        hits = self.ram.ghost_hits()
+        self._ghosts["recent"] += hits.recent
+        self._ghosts["frequent"] += hits.frequent
+        self._ghosts["bytes"] += hits.bytes
+        made: list[Change] = []
+        if hits.bytes:
+            # ARC's move: a ghost of a read entry wants frequency kept, one never read wants
+            # recency; weighed by bytes.
+            lean = (hits.frequent_bytes - hits.recent_bytes) / hits.bytes
+            p = round(min(max(self.ram.protect_frequent + POLICY_STEP * lean, 0.0), POLICY_MAX), 2)
+            if p != self.ram.protect_frequent:
+                why = (f"ghosts came back: {_mb(hits.frequent_bytes)} of entries that had been "
+                       f"read, {_mb(hits.recent_bytes)} of entries never read")  # fmt: skip
+                made.append(self._change("cache.ram.protect_frequent",
+                                         self.ram.protect_frequent, p, why))  # fmt: skip
+                self.ram.protect_frequent = p
+        if not self.guard.pressure.active:  # the guard is shrinking the tier: it decides
+            made += self._budget(hits.bytes, available, total)
+        made += self._spacing()
+        return made
+
+    def _budget(self, ghost_bytes: int, available: int | None, total: int | None) -> list[Change]:
+        budget, base = self.guard.target_bytes, self.base_bytes
+        step = max(int(base * STEP), 1)
+        if ghost_bytes >= MIN_GHOST_SHARE * budget:
+            self._quiet = 0
+            if available is None or total is None:
+                vm = psutil.virtual_memory()
+                available, total = vm.available, vm.total
+            # Free memory after the step must stay above twice the guard's floor (or a
+            # tenth of the machine without a guard): tuning never brings the guard on.
+            keep = 2 * (self.guard.pressure.floor_bytes or total // 20)
+            grown = min(budget + step, self.max_bytes, budget + max(available - keep, 0))
+            if grown <= budget:
+                return []
+            return [self._set_budget(grown, f"{_mb(ghost_bytes)} of evicted entries came back "
+                                     "since the last look")]  # fmt: skip
+        self._quiet += 1
+        if self._quiet < QUIET_TICKS or budget <= base:
+            return []
+        self._quiet = 0
+        return [self._set_budget(max(budget - step, base), f"no evicted entry came back for "
+                                 f"{QUIET_TICKS} looks: memory given back")]  # fmt: skip
+
+    def _set_budget(self, budget: int, why: str) -> Change:
+        change = self._change("cache.ram.budget", self.guard.target_bytes, budget, why)
+        self.guard.extra_bytes = budget - self.base_bytes
+        self.ram.set_budget(budget)
+        self.guard.pressure.budget_bytes = budget
+        return change
+
+    def _spacing(self) -> list[Change]:
+        if self.diagnosis is None or self.ram.keep_newest_periodic:
+            return []
+        losses = self.diagnosis.losses(SPACING_WINDOW_S)
+        computed = sum(x.computed for x in losses)
+        spacing = sum(x.tokens.get("checkpoint_spacing", 0) for x in losses)
+        if spacing < SPACING_TOKENS or spacing < SPACING_SHARE * computed:
+            return []
+        self.ram.keep_newest_periodic = True
+        why = (f"hybrid models resumed {spacing:,} tokens short of where prompts diverged "
+               f"({spacing / computed:.0%} of the tokens computed again)")  # fmt: skip
+        return [self._change("cache.ram.keep_periodic", False, True, why)]
+
+    def _change(self, setting: str, before: Any, after: Any, why: str) -> Change:
+        change = Change(time.time(), setting, before, after, why)
+        self.changes.append(change)
+        shown = (_mb(before), _mb(after)) if setting.endswith("budget") else (before, after)
+        log.info("autotune: %s %s -> %s: %s", setting, *shown, why)
+        return change
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "enabled": True,
+            "ram_budget_bytes": self.guard.target_bytes,
+            "protect_frequent": self.ram.protect_frequent,
+            "keep_periodic": self.ram.keep_newest_periodic,
+            "bounds": {
+                "ram_min_bytes": self.base_bytes,
+                "ram_max_bytes": self.max_bytes,
+                "protect_frequent_max": POLICY_MAX,
+            },
+            "ghost_hits": dict(self._ghosts),
+            "changes": [c.to_json() for c in self.changes],
+        }
+
+
+def _mb(n: Any) -> str:
+    return f"{n / 1e6:.1f} MB" if isinstance(n, int) else str(n)

@@ -1,0 +1,211 @@
+"""Tuning by load: the RAM tier's frequency protection and ghost lists (the real
+CacheManager), the autotuner's moves on them (the real Autotune and MemoryGuard), and a
+real server whose budget grows while evicted entries come back, answering as bypass."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+
+from engine_bridge.engine_settings import AutotuneSettings, EngineSettings
+from engine_bridge.ops import autotune as tuning
+from engine_bridge.ops.autotune import Autotune
+from engine_bridge.ops.memory import MemoryGuard
+from tests.cache.test_cache_http import long_system
+from tests.cache.test_cache_manager import cache, chain, store
+from tests.cache.test_cache_requests import FOLLOW_UP, LLAMA, QUESTION, ask, oai
+from tests.conftest import fresh_cache_dir, start_server
+
+SYSTEM = list(range(1000, 1016))  # four blocks every request shares
+GB = 10**9
+
+
+def read(m, tokens) -> None:
+    """A lookup that restores `tokens`' blocks, as a request does: pinned, then let go."""
+    match = m.match(chain(tokens + [1]), needs_checkpoint=False, pin=True)
+    m.release(match)
+
+
+def burst(m, n: int, start: int = 5000) -> None:
+    """`n` one-off prompts of four blocks each, never read again."""
+    for i in range(n):
+        store(m, list(range(start + 16 * i, start + 16 * i + 16)))
+
+
+def test_entries_read_twice_outlive_a_burst_only_when_protected():
+    for protect, kept in ((0.0, False), (0.5, True)):
+        m = cache(budget=120, protect_frequent=protect)  # twelve 10-byte blocks
+        store(m, SYSTEM)
+        read(m, SYSTEM)
+        read(m, SYSTEM)
+        burst(m, 4)  # sixteen blocks: LRU alone evicts the shared prefix
+        held = m.match(chain(SYSTEM + [1]), needs_checkpoint=False).length
+        assert (held == 16) is kept, (protect, held)
+
+
+def test_protection_ages_so_an_entry_no_longer_read_goes():
+    m = cache(budget=120, protect_frequent=0.5)
+    store(m, SYSTEM)
+    read(m, SYSTEM)
+    read(m, SYSTEM)
+    burst(m, 12)  # many passes at the head with no read between: its count halves away
+    assert m.match(chain(SYSTEM + [1]), needs_checkpoint=False).length == 0
+
+
+def test_ghosts_count_what_came_back_by_whether_it_had_been_read():
+    m = cache(budget=40)  # four blocks
+    store(m, SYSTEM)
+    read(m, SYSTEM)  # read once: its ghosts are "frequent"
+    burst(m, 1)  # evicts SYSTEM
+    burst(m, 1, start=9000)  # evicts the first burst, never read: "recent" ghosts
+    store(m, SYSTEM)
+    store(m, list(range(5000, 5016)))
+    hits = m.ghost_hits()
+    assert (hits.frequent, hits.recent) == (4, 4)
+    assert hits.bytes == 80
+    assert m.ghost_hits().bytes == 0, "taken once"
+
+
+def tuner(m, budget: int, *, floor: int | None = None, ram_max: int | None = None) -> Autotune:
+    settings = EngineSettings(Path("/nonexistent"), ram_budget_bytes=budget,
+                              ram_min_available_bytes=floor)  # fmt: skip
+    guard = MemoryGuard(_Tiers(m), settings)
+    return Autotune(AutotuneSettings(True, ram_max), m, guard)
+
+
+class _Tiers:
+    def __init__(self, ram):
+        self.ram = ram
+
+
+def test_the_budget_grows_while_ghosts_come_back_within_its_bounds_and_free_memory():
+    m = cache(budget=400)
+    t = tuner(m, 400, floor=1 * GB, ram_max=700)
+    store(m, SYSTEM)
+    m.set_budget(0)  # everything evicted
+    m.set_budget(400)
+    store(m, SYSTEM)  # came back: 40 bytes of ghosts, 10% of the budget
+    changes = t.tick(available=64 * GB, total=128 * GB)
+    assert [(c.setting, c.before, c.after) for c in changes] == [("cache.ram.budget", 400, 500)]
+    assert "came back" in changes[0].reason and m.budget_bytes == 500
+    for expected in (600, 700, 700):  # ram_max caps it
+        m.set_budget(0), m.set_budget(t.guard.target_bytes), store(m, SYSTEM)
+        t.tick(available=64 * GB, total=128 * GB)
+        assert t.guard.target_bytes == expected
+    # Free memory near twice the guard's floor: no step would keep it above, no growth.
+    t2 = tuner(cache(budget=400), 400, floor=1 * GB)
+    m2 = t2.ram
+    store(m2, SYSTEM), m2.set_budget(0), m2.set_budget(400), store(m2, SYSTEM)
+    assert t2.tick(available=2 * GB, total=128 * GB) == []
+    assert m2.budget_bytes == 400
+
+
+def test_memory_goes_back_after_quiet_looks_never_below_the_configured_budget():
+    m = cache(budget=400)
+    t = tuner(m, 400)
+    store(m, SYSTEM), m.set_budget(0), m.set_budget(400), store(m, SYSTEM)
+    t.tick(available=64 * GB, total=128 * GB)
+    assert t.guard.target_bytes == 500
+    made = []
+    for _ in range(2 * tuning.QUIET_TICKS):
+        made += t.tick(available=64 * GB, total=128 * GB)
+    assert [(c.before, c.after) for c in made] == [(500, 400)]
+    assert "memory given back" in made[0].reason and m.budget_bytes == 400
+
+
+def test_the_policy_leans_to_frequency_or_recency_by_what_came_back():
+    m = cache(budget=40)
+    t = tuner(m, 40, ram_max=40)
+    store(m, SYSTEM)
+    read(m, SYSTEM)
+    m.set_budget(0), m.set_budget(40), store(m, SYSTEM)  # read entries came back
+    (change,) = [c for c in t.tick(64 * GB, 128 * GB) if c.setting.endswith("frequent")]
+    assert (change.before, change.after) == (0.0, 0.1) and m.protect_frequent == 0.1
+    burst(m, 1)  # SYSTEM out, and this burst's blocks are never read
+    m.set_budget(0), m.set_budget(40), store(m, list(range(5000, 5016)))
+    t.tick(64 * GB, 128 * GB)
+    assert m.protect_frequent == 0.0
+    stats = t.stats()
+    assert stats["enabled"] and [c["setting"] for c in stats["changes"]][-1].endswith("frequent")
+    assert stats["bounds"] == {"ram_min_bytes": 40, "ram_max_bytes": 40,
+                               "protect_frequent_max": tuning.POLICY_MAX}  # fmt: skip
+
+
+def test_the_guard_under_pressure_holds_the_budget_whatever_comes_back():
+    m = cache(budget=400)
+    t = tuner(m, 400)
+    t.guard.pressure.active = True
+    store(m, SYSTEM), m.set_budget(0), m.set_budget(400), store(m, SYSTEM)
+    assert not [c for c in t.tick(64 * GB, 128 * GB) if c.setting == "cache.ram.budget"]
+
+
+# --- a real server -------------------------------------------------------------------------
+
+SSD_OFF = {"MLX_PROMPT_CACHE_CACHE_SSD_ENABLED": "false"}
+
+
+def projects(server, rounds: int) -> list[tuple[int, int]]:
+    """Two projects' conversations in turn, `rounds` turns each: 300 KB of RAM holds one
+    (six to eight of demo-llama's 32 KB blocks), twice that both."""
+    client = oai(server, "t")
+    history = {name: [{"role": "system", "content": long_system(10, salt=f"Project {name}. ")},
+                      QUESTION] for name in "ab"}  # fmt: skip
+    hits = []
+    for r in range(rounds):
+        for name in "ab":
+            reply, headers = ask(client, history[name], session=name, rid=f"{name}-{r}")
+            hits.append((reply.usage.prompt_tokens, int(headers["x-prompt-cache-hit-tokens"])))
+            history[name] += [{"role": "assistant", "content": reply.choices[0].message.content},
+                              {**FOLLOW_UP, "content": f"{FOLLOW_UP['content']} ({r})"}]  # fmt: skip
+        time.sleep(1.2)  # a look of the tuner between rounds
+    return hits
+
+
+def test_a_server_grows_its_budget_while_evicted_blocks_come_back_and_answers_as_bypass(
+    tmp_path, demo_root
+):
+    config = tmp_path / "tuned.toml"
+    config.write_text('[autotune]\ninterval = "1s"\n')
+    s = start_server(fresh_cache_dir(demo_root, tmp_path / "c"), "--config", str(config),
+                     "--model", LLAMA, "--ram-budget", "300000",
+                     "--upstream", "http://127.0.0.1:9", env=SSD_OFF)  # fmt: skip
+    try:
+        hits = projects(s, 7)
+        tuned = httpx.get(s.url + "/v1/cache/stats", timeout=30).json()
+        # Tuning changes what is kept, never an answer: the last turn equals bypass.
+        client = oai(s, "t")
+        messages = [{"role": "system", "content": long_system(10, salt="Project a. ")}, QUESTION]
+        cached = ask(client, messages, session="a", rid="check")[0].choices[0].message.content
+        fresh = ask(client, messages, session="x", rid="bypass", bypass=True)[0]
+        assert cached == fresh.choices[0].message.content
+    finally:
+        s.stop()
+    auto = tuned["autotune"]
+    grew = [c for c in auto["changes"] if c["setting"] == "cache.ram.budget"]
+    assert grew and grew[0]["from"] == 300_000 and grew[0]["to"] > 300_000, auto
+    assert "came back" in grew[0]["reason"]
+    assert auto["ram_budget_bytes"] <= auto["bounds"]["ram_max_bytes"] == 600_000
+    assert tuned["ram"]["budget_bytes"] == auto["ram_budget_bytes"]
+    assert tuned["memory"]["shrinks"] == 0, "tuning never brings the memory guard on"
+    first, last = hits[2:4], hits[-2:]  # round 2 (evicted) against the last (grown)
+    assert sum(h for _, h in last) / sum(p for p, _ in last) > sum(h for _, h in first) / sum(
+        p for p, _ in first
+    ), hits
+    assert "autotune: cache.ram.budget" in s.log_path.read_text()
+
+
+def test_autotune_off_keeps_the_fixed_budget(tmp_path, demo_root):
+    config = tmp_path / "fixed.toml"
+    config.write_text('[autotune]\nenabled = false\ninterval = "1s"\n')
+    s = start_server(fresh_cache_dir(demo_root, tmp_path / "c"), "--config", str(config),
+                     "--model", LLAMA, "--ram-budget", "100000",
+                     "--upstream", "http://127.0.0.1:9", env=SSD_OFF)  # fmt: skip
+    try:
+        projects(s, 2)
+        stats = httpx.get(s.url + "/v1/cache/stats", timeout=30).json()
+    finally:
+        s.stop()
+    assert stats["autotune"] == {"enabled": False}
+    assert stats["ram"]["budget_bytes"] == 100_000
