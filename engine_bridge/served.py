@@ -193,7 +193,7 @@ class ModelLifecycle:
         # The RAM budget and eviction policy tuned by load, after the guard (autotune.py).
         tuned = settings.autotune.enabled and settings.cache_enabled
         self.autotune = (
-            Autotune(settings.autotune, tiers.ram, self.memory, diagnosis) if tuned else None
+            Autotune(settings.autotune, tiers, self.memory, diagnosis) if tuned else None
         )
         # Awaited before a model loads in-process, with what is about to load: the proxy
         # asks LM Studio to let go of its own copy of the same weights.

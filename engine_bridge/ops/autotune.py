@@ -15,6 +15,9 @@ Every `interval` (on the MLX thread, after the memory guard's check, which alway
 - **Checkpoint spacing.** Where the diagnosis says hybrid models resumed short of where
   prompts diverged, each path's newest periodic checkpoint is kept ([cache.ram]
   keep_periodic).
+- **SSD writes.** With a wear budget ([cache.ssd] max_write_per_day), a day whose writes
+  are on course past it switches "through" to "second-use" (only what a later request
+  reuses is written), and back once the course is under half of it.
 
 Each change is logged with its reason and listed in /v1/cache/stats `autotune`. Tuning
 changes what is kept, never what is computed: cached answers still equal bypass.
@@ -31,8 +34,11 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from ..cache.write_policy import WritePolicy
+
 if TYPE_CHECKING:
     from ..cache.ram.manager import CacheManager
+    from ..cache.tiers import TieredCache
     from ..engine_settings import AutotuneSettings
     from .diagnosis import Diagnosis
     from .memory import MemoryGuard
@@ -68,12 +74,14 @@ class Autotune:
     def __init__(
         self,
         settings: AutotuneSettings,
-        ram: CacheManager,
+        tiers: TieredCache,
         guard: MemoryGuard,
         diagnosis: Diagnosis | None = None,
     ):
         self.settings = settings
-        self.ram = ram
+        self.tiers = tiers
+        self.ram: CacheManager = tiers.ram
+        self._eased_writes = False  # whether tuning chose second-use (it undoes only its own)
         self.guard = guard
         self.diagnosis = diagnosis
         self.changes: deque[Change] = deque(maxlen=HISTORY)
@@ -88,7 +96,9 @@ class Autotune:
     def max_bytes(self) -> int:
         return self.settings.ram_max_bytes or 2 * self.base_bytes
 
-    def tick(self, available: int | None = None, total: int | None = None) -> list[Change]:
+    def tick(
+        self, available: int | None = None, total: int | None = None, now: float | None = None
+    ) -> list[Change]:
         """One look at what came back since the last; the changes it made."""
         hits = self.ram.ghost_hits()
         self._ghosts["recent"] += hits.recent
@@ -109,7 +119,34 @@ class Autotune:
         if not self.guard.pressure.active:  # the guard is shrinking the tier: it decides
             made += self._budget(hits.bytes, available, total)
         made += self._spacing()
+        made += self._writes(time.time() if now is None else now)
         return made
+
+    def _writes(self, now: float) -> list[Change]:
+        ssd, writes = getattr(self.tiers, "ssd", None), getattr(self.tiers, "writes", None)
+        if ssd is None or writes is None:
+            return []
+        wear = ssd.wear.stats()
+        cap = wear.max_write_per_day
+        if cap is None:
+            return []
+        # Today's writes at today's pace, from the second hour of the UTC day on.
+        pace = wear.written_today_bytes / max((now % 86400) / 86400, 1 / 24)
+        course = f"today's SSD writes are on course for {_mb(int(pace))} a day"
+        if writes.policy is WritePolicy.THROUGH and pace > cap:
+            self._eased_writes = True
+            why = f"{course}, past max_write_per_day {_mb(cap)}"
+            return [self._set_policy(writes, WritePolicy.SECOND_USE, why)]
+        if self._eased_writes and writes.policy is WritePolicy.SECOND_USE and pace < cap / 2:
+            self._eased_writes = False
+            why = f"{course}, under half of max_write_per_day {_mb(cap)}"
+            return [self._set_policy(writes, WritePolicy.THROUGH, why)]
+        return []
+
+    def _set_policy(self, writes: Any, policy: WritePolicy, why: str) -> Change:
+        change = self._change("cache.ssd.write_policy", str(writes.policy), str(policy), why)
+        writes.policy = policy
+        return change
 
     def _budget(self, ghost_bytes: int, available: int | None, total: int | None) -> list[Change]:
         budget, base = self.guard.target_bytes, self.base_bytes
@@ -167,6 +204,9 @@ class Autotune:
             "ram_budget_bytes": self.guard.target_bytes,
             "protect_frequent": self.ram.protect_frequent,
             "keep_periodic": self.ram.keep_newest_periodic,
+            "ssd_write_policy": str(w.policy)
+            if (w := getattr(self.tiers, "writes", None))
+            else None,
             "bounds": {
                 "ram_min_bytes": self.base_bytes,
                 "ram_max_bytes": self.max_bytes,

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 
+from engine_bridge.cache.ssd.wear import WearMeter
+from engine_bridge.cache.write_policy import WritePolicy
 from engine_bridge.engine_settings import AutotuneSettings, EngineSettings
 from engine_bridge.ops import autotune as tuning
 from engine_bridge.ops.autotune import Autotune
@@ -71,13 +74,15 @@ def test_ghosts_count_what_came_back_by_whether_it_had_been_read():
 def tuner(m, budget: int, *, floor: int | None = None, ram_max: int | None = None) -> Autotune:
     settings = EngineSettings(Path("/nonexistent"), ram_budget_bytes=budget,
                               ram_min_available_bytes=floor)  # fmt: skip
-    guard = MemoryGuard(_Tiers(m), settings)
-    return Autotune(AutotuneSettings(True, ram_max), m, guard)
+    tiers = _Tiers(m)
+    return Autotune(AutotuneSettings(True, ram_max), tiers, MemoryGuard(tiers, settings))
 
 
 class _Tiers:
-    def __init__(self, ram):
-        self.ram = ram
+    """The tiers an autotuner reads, without an SSD (its wear rule has its own test)."""
+
+    def __init__(self, ram, ssd=None, writes=None):
+        self.ram, self.ssd, self.writes = ram, ssd, writes
 
 
 def test_the_budget_grows_while_ghosts_come_back_within_its_bounds_and_free_memory():
@@ -139,6 +144,29 @@ def test_the_guard_under_pressure_holds_the_budget_whatever_comes_back():
     t.guard.pressure.active = True
     store(m, SYSTEM), m.set_budget(0), m.set_budget(400), store(m, SYSTEM)
     assert not [c for c in t.tick(64 * GB, 128 * GB) if c.setting == "cache.ram.budget"]
+
+
+def test_a_day_on_course_past_the_wear_budget_writes_only_what_is_reused(tmp_path):
+    noon = 20792 * 86400.0 + 12 * 3600  # 12:00 UTC
+    clock = [noon]
+    meter = WearMeter(tmp_path / "wear.json", max_per_day=1000, clock=lambda: clock[0])
+    writes = SimpleNamespace(policy=WritePolicy.THROUGH)
+    m = cache(budget=40)
+    t = Autotune(AutotuneSettings(True), _Tiers(m, SimpleNamespace(wear=meter), writes),
+                 MemoryGuard(_Tiers(m), EngineSettings(Path("/x"), ram_budget_bytes=40)))  # fmt: skip
+    meter.record(400)  # on course for 800 a day: under the budget
+    assert t.tick(64 * GB, 128 * GB, now=noon) == []
+    meter.record(200)  # 600 by noon: on course for 1,200
+    (change,) = t.tick(64 * GB, 128 * GB, now=noon)
+    assert (change.setting, change.before, change.after) == (
+        "cache.ssd.write_policy", "through", "second-use")  # fmt: skip
+    assert "max_write_per_day" in change.reason and writes.policy is WritePolicy.SECOND_USE
+    clock[0] = noon + 86400  # the next day: nothing written yet
+    (back,) = t.tick(64 * GB, 128 * GB, now=clock[0])
+    assert back.after == "through" and writes.policy is WritePolicy.THROUGH
+    # A second-use the user chose stays theirs.
+    writes.policy = WritePolicy.SECOND_USE
+    assert t.tick(64 * GB, 128 * GB, now=clock[0]) == []
 
 
 # --- a real server -------------------------------------------------------------------------
