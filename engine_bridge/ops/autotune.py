@@ -4,8 +4,8 @@ Every `interval` (on the MLX thread, after the memory guard's check, which alway
 
 - **RAM budget.** Ghosts that came back (cache/ram/ghosts.py: entries evicted, then needed
   again) are what a larger budget would have kept. While they keep coming (at least
-  `MIN_GHOST_SHARE` of the budget a tick), the budget grows a step (a quarter of the
-  configured one), up to `ram_max` and only while the machine keeps twice the guard's floor
+  `MIN_GHOST_SHARE` of the budget a tick), the budget grows by what came back, at least a
+  step (a quarter of the configured one), up to `ram_max` and only while the machine keeps twice the guard's floor
   free after it (never toward swap). After `QUIET_TICKS` ticks without a ghost it gives a
   step back, never below the configured budget.
 - **Eviction policy.** `protect_frequent` (manager.py: the share of the budget entries read
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 STEP = 0.25  # of the configured budget, per growth or give-back
 MIN_GHOST_SHARE = 0.01  # ghost bytes a tick, of the budget, that count as ghosts hitting
 QUIET_TICKS = 30  # ticks without a ghost before a step of memory goes back
-POLICY_STEP = 0.1
+POLICY_STEP = 0.2
 POLICY_MAX = 0.9
 # Checkpoint spacing: its share of the tokens computed again in the last window, and the
 # least tokens, before periodic checkpoints are kept.
@@ -159,7 +159,10 @@ class Autotune:
             # Free memory after the step must stay above twice the guard's floor (or a
             # tenth of the machine without a guard): tuning never brings the guard on.
             keep = 2 * (self.guard.pressure.floor_bytes or total // 20)
-            grown = min(budget + step, self.max_bytes, budget + max(available - keep, 0))
+            # A step, or as much as came back if more: a working set twice the budget
+            # gets there in a look or two rather than four.
+            grown = min(budget + max(step, ghost_bytes), self.max_bytes,
+                        budget + max(available - keep, 0))  # fmt: skip
             if grown <= budget:
                 return []
             return [self._set_budget(grown, f"{_mb(ghost_bytes)} of evicted entries came back "

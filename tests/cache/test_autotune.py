@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import httpx
 
+from engine_bridge.cache.kinds import EntryKind
+from engine_bridge.cache.ram import manager
 from engine_bridge.cache.ssd.wear import WearMeter
 from engine_bridge.cache.write_policy import WritePolicy
 from engine_bridge.engine_settings import AutotuneSettings, EngineSettings
@@ -71,6 +73,16 @@ def test_ghosts_count_what_came_back_by_whether_it_had_been_read():
     assert m.ghost_hits().bytes == 0, "taken once"
 
 
+def test_an_entry_back_from_its_ghost_counts_as_seen_twice_as_in_arc():
+    m = cache(budget=40)
+    store(m, SYSTEM)
+    burst(m, 1)  # SYSTEM evicted, never read: a recent ghost
+    store(m, SYSTEM)  # back: seen twice now
+    first = m.entry(EntryKind.BLOCK, chain(SYSTEM).hashes[0])
+    assert first is not None and first.reads == manager.SEEN_AGAIN
+    assert m.ghost_hits().recent == 4
+
+
 def tuner(m, budget: int, *, floor: int | None = None, ram_max: int | None = None) -> Autotune:
     settings = EngineSettings(Path("/nonexistent"), ram_budget_bytes=budget,
                               ram_min_available_bytes=floor)  # fmt: skip
@@ -127,7 +139,8 @@ def test_the_policy_leans_to_frequency_or_recency_by_what_came_back():
     read(m, SYSTEM)
     m.set_budget(0), m.set_budget(40), store(m, SYSTEM)  # read entries came back
     (change,) = [c for c in t.tick(64 * GB, 128 * GB) if c.setting.endswith("frequent")]
-    assert (change.before, change.after) == (0.0, 0.1) and m.protect_frequent == 0.1
+    assert (change.before, change.after) == (0.0, tuning.POLICY_STEP)
+    assert m.protect_frequent == tuning.POLICY_STEP
     burst(m, 1)  # SYSTEM out, and this burst's blocks are never read
     m.set_budget(0), m.set_budget(40), store(m, list(range(5000, 5016)))
     t.tick(64 * GB, 128 * GB)

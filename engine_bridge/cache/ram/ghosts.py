@@ -4,7 +4,9 @@ A key that comes back into RAM (computed again, or read back from a tier below) 
 ghost is here was evicted too soon: a larger budget would have kept it. Whether it had
 been read before it went says which policy would have: a ghost of an entry read again
 (frequent) asks to protect such entries longer, one of an entry never read (recent) asks
-for plain recency, as ARC adapts its lists. The autotuner reads the counts (autotune.py).
+for plain recency, as ARC adapts its lists. As in ARC, an entry back from its ghost has
+been seen twice: it comes back counted as read (manager.py), so if it goes and comes back
+again, that ghost is a frequent one. The autotuner reads the counts (autotune.py).
 
 Kept like the eviction record (evictions.py): the short int of each key, in two
 generations of at most half the capacity each.
@@ -51,12 +53,12 @@ class Ghosts:
             if len(self._new) >= self._half:
                 self._old, self._new = self._new, {}
 
-    def came_back(self, key: bytes) -> None:
-        """`key` is in RAM again: count its ghost, if it has one."""
+    def came_back(self, key: bytes) -> bool:
+        """`key` is in RAM again: count its ghost, if it has one; whether it had."""
         short = int.from_bytes(key[:8], "little")
         ghost = self._new.pop(short, None) or self._old.pop(short, None)
         if ghost is None:
-            return
+            return False
         read, nbytes = ghost
         if read:
             self._hits.frequent += 1
@@ -64,6 +66,7 @@ class Ghosts:
         else:
             self._hits.recent += 1
             self._hits.recent_bytes += nbytes
+        return True
 
     def take(self) -> GhostHits:
         """The hits since the last take."""

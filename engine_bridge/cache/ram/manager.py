@@ -31,6 +31,9 @@ from engine_bridge.cache.ram.supersede import mark_superseded
 
 log = logging.getLogger(__name__)
 
+# An entry back from its ghost has been seen twice (ghosts.py): it counts as read twice.
+SEEN_AGAIN = 2
+
 Entry = Block | Checkpoint
 # Called with each evicted entry after the cache's lock is released (the SSD tier spills it).
 OnEvict = Callable[[Entry], None]
@@ -235,7 +238,8 @@ class CacheManager:
                 )
                 if created:
                     inserted += 1
-                    self._ghosts.came_back(block.hash)
+                    if self._ghosts.came_back(block.hash):
+                        block.reads = SEEN_AGAIN
                 else:
                     deduped += 1
                     self._pool.refresh(block)
@@ -263,8 +267,8 @@ class CacheManager:
             if not created:
                 self._dedupe_hits += 1
                 self._checkpoints.refresh(ckpt)
-            else:
-                self._ghosts.came_back(ckpt.key)
+            elif self._ghosts.came_back(ckpt.key):
+                ckpt.reads = SEEN_AGAIN
             thins = self.thin_periodic and not (
                 self.keep_newest_periodic and reason is not CheckpointReason.PERIODIC
             )
