@@ -30,6 +30,7 @@ SCENARIOS = (
     "speculative",
     "tier-stall",
     "distributed",
+    "autotune",
 )
 HYBRID_DEFAULT = ("demo-hybrid", "demo-swa", "demo-qwen36")
 

@@ -1,5 +1,6 @@
 """PNG plots of a run: TTFT per turn (chat) and per request (agent), hit ratio, restarts,
-concurrency, and the share from the cache per request of agent sessions on real templates.
+concurrency, the share from the cache per request of agent sessions on real templates, and
+the RAM budget and protect_frequent the autotuner set over each trace.
 
 matplotlib is an optional extra (`pip install 'mlx-prompt-cache[bench]'`); without it the
 run still writes its JSON and Markdown and says that the plots were skipped.
@@ -35,6 +36,7 @@ def plot_all(out: Path, results: list[ScenarioResult]) -> tuple[list[Path], str 
     restarts = [r for r in results if r.scenario.endswith("restart") and r.rows]
     concurrent = [r for r in results if r.scenario == "concurrency" and r.rows]
     templated = [r for r in results if r.scenario == "agent-templates" and r.samples]
+    tuned = [r for r in results if r.scenario == "autotune" and r.samples]
     if chats:
         written.append(_ttft(plt, out / "chat_ttft.png", chats, "turn", new_only=True))
     if agents:
@@ -47,6 +49,8 @@ def plot_all(out: Path, results: list[ScenarioResult]) -> tuple[list[Path], str 
         written.append(_concurrency(plt, out / "concurrency.png", concurrent))
     if templated:
         written.append(_agent_templates(plt, out / "agent_templates.png", templated))
+    if tuned:
+        written.append(_autotune(plt, out / "autotune.png", tuned))
     return written, None
 
 
@@ -188,6 +192,47 @@ def _agent_templates(plt, path: Path, results: list[ScenarioResult]):
         ax.set_ylim(top=1.005)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _autotune(plt, path: Path, results: list[ScenarioResult]):
+    """The tuned run's RAM budget (MB, left) and protect_frequent (right) after each request,
+    per trace, with the burst shaded and the shift marked."""
+    from matplotlib.ticker import MaxNLocator
+
+    from .scenarios.autotune.scenario import BUDGETS, PROTECT
+
+    fig, axes = _grid(plt, len(results), height=3.2)
+    for ax, r in zip(axes, results, strict=False):
+        m = r.metrics
+        budget = [(i + 1, b / 1e6) for i, b in enumerate(m.get(BUDGETS) or []) if b is not None]
+        protect = [(i + 1, p) for i, p in enumerate(m.get(PROTECT) or []) if p is not None]
+        if budget:
+            ax.step(*zip(*budget, strict=True), where="post", color="C0", label="RAM budget")
+        if m.get("budget_bytes"):
+            ax.axhline(m["budget_bytes"] / 1e6, color="C0", lw=0.8, ls=":", label="configured")
+        right = ax.twinx()
+        if protect:
+            right.step(*zip(*protect, strict=True), where="post", color="C1",
+                       label="protect_frequent")  # fmt: skip
+        right.set_ylim(-0.02, 1.0)
+        right.set_ylabel("protect_frequent")
+        if m.get("burst_first") is not None:
+            ax.axvspan(m["burst_first"] + 0.5, m["burst_last"] + 1.5, color="grey", alpha=0.15)
+        elif m.get("pivot") is not None:
+            ax.axvline(m["pivot"] + 0.5, color="grey", lw=0.8, ls=":")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(f"autotune — {r.model}", fontsize=9)
+        ax.set_xlabel("request")
+        ax.set_ylabel("RAM budget (MB)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        lines = ax.get_legend_handles_labels()
+        more = right.get_legend_handles_labels()
+        ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -417,6 +417,7 @@ def _agent_rows(result: ScenarioResult, case: dict) -> None:
 
 
 def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
+    from .autotune.scenario import autotune
     from .concurrency import concurrency
     from .distributed.scenario import distributed
     from .overhead import overhead, tier_stall
@@ -441,6 +442,7 @@ def registry() -> dict[str, Callable[[Settings, ModelSpec], Produced]]:
         "speculative": speculative,
         "tier-stall": tier_stall,
         "distributed": distributed,
+        "autotune": autotune,
     }
 
 
