@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # <xbar.title>mlx-prompt-cache</xbar.title>
 # <xbar.version>v0.1.0</xbar.version>
-# <xbar.desc>Prompt cache hit ratio, tier sizes, sessions, the hit-ratio alert, what costs the most recomputed tokens and start/stop for the mlx-prompt-cache proxy.</xbar.desc>
+# <xbar.desc>Prompt cache hit ratio, tier sizes, sessions, the alerts on now, what costs the most recomputed tokens, the autotuned RAM budget and start/stop for the mlx-prompt-cache proxy.</xbar.desc>
 # <xbar.dependencies>bash,curl</xbar.dependencies>
 # <swiftbar.hideRunInTerminal>true</swiftbar.hideRunInTerminal>
 #
@@ -29,8 +29,10 @@ SESSIONS_SHOWN=5
 # Only the first few sessions are parsed: the list is sorted newest first, and the awk
 # reader below walks its input a character at a time.
 SESSIONS_HEAD_BYTES=4000
-# The lost-tokens line is cut to this many characters; hovering shows all of it.
-LOST_LENGTH=72
+# The lost-tokens and alert lines are cut to this many characters; hovering shows all.
+LINE_LENGTH=72
+# The alerts on now: the hit ratio's and one per cause of lost tokens (twelve causes).
+ALERTS_SHOWN=13
 # Expanded as ${AUTH[@]+...}: bash 3.2, the Mac's /bin/bash, calls an empty array unbound.
 AUTH=()
 if [ -n "${MLX_PROMPT_CACHE_API_KEY:-}" ]; then
@@ -212,9 +214,33 @@ render_lost() {
         share="$(field "$flat" "causes.$i.share")"
         fix="$(field "$flat" "causes.$i.fix.text")"
         [ -n "$fix" ] && fix=": ${fix//|/¦}"
-        echo "Lost: $cause, ${tokens:-0} tokens ($(percent "${share:-0}"))$fix | length=$LOST_LENGTH href=$URL/dashboard"
+        echo "Lost: $cause, ${tokens:-0} tokens ($(percent "${share:-0}"))$fix | length=$LINE_LENGTH href=$URL/dashboard"
         return 0
     done
+}
+
+# One line per alert on now (GET /v1/cache/stats `alerts`, from the diagnosis), each
+# naming its cause and fix; click: the dashboard, which shows the setting to paste.
+render_alerts() {
+    local flat="$1" i message
+    for ((i = 0; i < ALERTS_SHOWN; i++)); do
+        message="$(field "$flat" "alerts.$i.message")"
+        [ -n "$message" ] || return 0
+        echo "⚠ ${message//|/¦} | length=$LINE_LENGTH color=red href=$URL/dashboard"
+    done
+}
+
+# The RAM budget the autotuner set now, between its bounds, and protect_frequent; nothing
+# while it is off (the fixed settings hold).
+render_autotune() {
+    local flat="$1" budget low high protect
+    [ "$(field "$flat" autotune.enabled)" = true ] || return 0
+    budget="$(field "$flat" autotune.ram_budget_bytes)"
+    low="$(field "$flat" autotune.bounds.ram_min_bytes)"
+    high="$(field "$flat" autotune.bounds.ram_max_bytes)"
+    protect="$(field "$flat" autotune.protect_frequent)"
+    [ -n "$budget" ] && [ -n "$low" ] && [ -n "$high" ] || return 0
+    echo "Autotune: RAM budget $(human_bytes "$budget") (bounds $(human_bytes "$low")–$(human_bytes "$high")), protect_frequent ${protect:-?}"
 }
 
 render_up() {
@@ -241,17 +267,19 @@ render_up() {
     done
 
     [ -n "$ratio" ] && title="⚡ $(percent "$ratio")"
-    [ -n "$alert" ] && title="$title ⚠"
+    [ -n "$alert$(field "$stats" alerts.0.message)" ] && title="$title ⚠"
     echo "$title"
     echo "---"
     echo "mlx-prompt-cache at $URL | href=$URL/health"
     [ -n "$alert" ] && echo "⚠ ${alert//|/¦} | color=red href=$URL/dashboard"
+    render_alerts "$stats"
     [ -n "$ratio" ] && echo "Token hit ratio: $(percent "$ratio")"
     [ -n "$requests" ] && echo "Requests: $requests${hits:+ ($hits hits, ${misses:-0} misses)}"
     [ -n "$lost" ] && render_lost "$lost"
     if [ -n "$ram_bytes" ]; then
         echo "RAM: $(human_bytes "$ram_bytes")${ram_blocks:+ in $ram_blocks blocks}"
     fi
+    render_autotune "$stats"
     if [ -n "$ssd_bytes" ]; then
         echo "SSD: $(human_bytes "$ssd_bytes")${ssd_blocks:+ in $ssd_blocks blocks}"
     fi

@@ -1,5 +1,6 @@
 """GET /dashboard: its files and headers over HTTP, and the page itself in a real headless
-Chromium (Debian's `chromium`, driven by Playwright) against a real proxy and SDK traffic."""
+Chromium (Debian's `chromium`, driven by Playwright) against a real proxy and SDK traffic.
+The Autotune card and the alerts banner under load: test_dashboard_tuning.py."""
 
 from __future__ import annotations
 
@@ -77,7 +78,13 @@ async def test_page_and_every_file_it_loads_are_served_with_a_same_origin_csp(ap
     assert "default-src 'none'" in dashboard.CSP and "'unsafe-inline'" not in dashboard.CSP
     html = await r.text()
     loaded = re.findall(r'(?:src|href)="/dashboard/([^"]+)"', html)
-    assert sorted(loaded) == ["dashboard.css", "dashboard.js", "format.js", "lost.js"] + [
+    assert sorted(loaded) == [
+        "alerts.js",
+        "autotune.js",
+        "dashboard.css",
+        "dashboard.js",
+        "format.js",
+        "lost.js",
         "uPlot.LICENSE",
         "uPlot.iife.min.js",
         "uPlot.min.css",
@@ -161,23 +168,26 @@ async def test_page_loads_without_a_key_but_its_data_and_the_passthrough_need_on
 
 @pytest.fixture(scope="module")
 def live(demo_root, tmp_path_factory) -> Iterator[Server]:
-    """A proxy of its own: the tests delete sessions and drive the hit ratio down."""
+    """A proxy of its own: the tests delete sessions and drive the hit ratio down. Its
+    settings are fixed: no autotune."""
     cache = fresh_cache_dir(demo_root, tmp_path_factory.mktemp("dashboard-cache"))
-    server = start_server(cache, "--upstream", "http://127.0.0.1:9")
+    config = cache / "dashboard.toml"
+    config.write_text("[autotune]\nenabled = false\n")
+    server = start_server(cache, "--config", str(config), "--upstream", "http://127.0.0.1:9")
     yield server
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
+@pytest.fixture(scope="module", name="browser")
+def browser_fixture() -> Iterator[Browser]:
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM)
         yield b
         b.close()
 
 
-@pytest.fixture
-def page(browser) -> Iterator[Page]:
+@pytest.fixture(name="page")
+def page_fixture(browser) -> Iterator[Page]:
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     pg = context.new_page()
     # Everything the page or the CSP complained about (502s of routes the test did not
@@ -240,6 +250,7 @@ def test_numbers_change_after_a_request(live, page):
     polled(page, 1)
     before = api(live, "/v1/cache/stats")["requests"]["total"]
     assert before == 0  # the first test on this server
+    assert page.locator("#alerts").is_hidden()  # none on before any request
     assert (text(page, "#requests"), text(page, "#hit-ratio")) == ("0", "–")
     prompt = "Tell me about prompt caches. " * 12
     chat(live, prompt, "dash-numbers")
@@ -403,6 +414,19 @@ def test_lost_tokens_card_ranks_the_causes_with_their_fixes(live, page):
     assert row.locator(".name").inner_text() == "client rewrote earlier messages"
     assert "Current time:" in row.locator("code.setting").text_content()
     assert page.problems == []
+
+
+@needs_browser
+def test_autotune_card_says_off_on_a_server_with_fixed_settings(live, page):
+    assert api(live, "/v1/cache/stats")["autotune"] == {"enabled": False}
+    page.goto(live.url + "/dashboard")
+    polled(page, 1)
+    assert (text(page, "#autotune"), text(page, "#autotune-detail")) == (
+        "off",
+        "fixed settings ([autotune] enabled = false)",
+    )
+    assert page.locator("#autotune-settings").is_hidden()
+    assert page.locator("#autotune-changes li").count() == 0
 
 
 @needs_browser

@@ -40,8 +40,8 @@ def parse_output(out: str) -> list[tuple[str, dict[str, str]]]:
     return [parse_line(line) for line in lines]
 
 
-@pytest.fixture
-def sandbox(tmp_path: Path) -> dict[str, str]:
+@pytest.fixture(name="sandbox")
+def sandbox_fixture(tmp_path: Path) -> dict[str, str]:
     """HOME, a fake launchctl that records its arguments, and a fake CLI on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

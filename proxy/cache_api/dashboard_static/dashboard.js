@@ -1,7 +1,8 @@
 // The cache dashboard: polls the /v1/cache/* routes every 2 s and keeps the history for
 // its charts in this page. Plain DOM, no framework; every server string goes in through
 // textContent, since session ids and prompt snippets are whatever clients sent. The
-// helpers are format.js's; the Lost tokens card is lost.js's.
+// helpers are format.js's; the Lost tokens card is lost.js's, the Autotune card
+// autotune.js's and the banner of alerts on now alerts.js's.
 "use strict";
 
 (() => {
@@ -385,7 +386,11 @@
     ]);
     renderStatus(stats);
     renderKeyForm([stats, sessions, recent, lost]);
-    if (stats.status === 200) renderCards(stats.body);
+    if (stats.status === 200) {
+      renderCards(stats.body);
+      Autotune.render(stats.body);
+      Alerts.render(stats.body);
+    }
     renderAlert(stats, recent);
     recordHistory(stats, recent);
     renderCharts(recent);

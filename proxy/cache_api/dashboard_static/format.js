@@ -1,6 +1,6 @@
-// What the dashboard's scripts share: numbers, sizes and times as the page writes them,
-// DOM helpers, and the words for a call that failed. Loaded first; the others read `Dash`.
-// Every server string goes in through textContent.
+// What the dashboard's scripts share: numbers, sizes and times as the page writes them, a
+// setting's value as TOML, DOM helpers, and the words for a call that failed. Loaded first;
+// the others read `Dash`. Every server string goes in through textContent.
 "use strict";
 
 const Dash = (() => {
@@ -31,6 +31,18 @@ const Dash = (() => {
   }
   const clock = (t) => new Date(t * 1000).toLocaleTimeString([], { hour12: false });
 
+  // A fix's value as TOML writes it inline (proxy/config/tomltext.inline), to paste.
+  function toml(v) {
+    if (typeof v === "string") return JSON.stringify(v).replace(/\x7f/g, "\\u007f");
+    if (Array.isArray(v)) return `[${v.map(toml).join(", ")}]`;
+    if (v !== null && typeof v === "object") {
+      const key = (k) => (/^[A-Za-z0-9_-]+$/.test(k) ? k : toml(k));
+      const items = Object.entries(v).map(([k, x]) => `${key(k)} = ${toml(x)}`);
+      return items.length ? `{ ${items.join(", ")} }` : "{}";
+    }
+    return String(v);
+  }
+
   function el(tag, text, cls) {
     const e = document.createElement(tag);
     if (text != null) e.textContent = String(text);
@@ -57,5 +69,5 @@ const Dash = (() => {
     return `${path} failed (${detail})`;
   }
 
-  return { $, el, bytes, pct, count, seconds, ago, clock, showNote, problem };
+  return { $, el, bytes, pct, count, seconds, ago, clock, toml, showNote, problem };
 })();

@@ -4,7 +4,7 @@
 "use strict";
 
 const LostTokens = (() => {
-  const { $, el, count, pct, showNote, problem } = Dash;
+  const { $, el, count, pct, toml, showNote, problem } = Dash;
   const CAUSES = {
     new_content: "new content",
     evicted: "evicted from RAM",
@@ -24,18 +24,6 @@ const LostTokens = (() => {
     if (s === 3600) return "last hour";
     if (s % 3600 === 0) return `last ${s / 3600} h`;
     return s % 60 === 0 ? `last ${s / 60} min` : `last ${s} s`;
-  }
-
-  // A fix's value as TOML writes it inline (proxy/config/tomltext.inline), to paste.
-  function toml(v) {
-    if (typeof v === "string") return JSON.stringify(v).replace(/\x7f/g, "\\u007f");
-    if (Array.isArray(v)) return `[${v.map(toml).join(", ")}]`;
-    if (v !== null && typeof v === "object") {
-      const key = (k) => (/^[A-Za-z0-9_-]+$/.test(k) ? k : toml(k));
-      const items = Object.entries(v).map(([k, x]) => `${key(k)} = ${toml(x)}`);
-      return items.length ? `{ ${items.join(", ")} }` : "{}";
-    }
-    return String(v);
   }
 
   function render(res) {
