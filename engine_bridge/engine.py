@@ -262,7 +262,7 @@ class Engine:
     def diagnosis(self, window_s: float | None = None, **only: str | None) -> dict[str, Any]:
         """Lost tokens by cause, each with its fix (reads the SSD's index: off the loop)."""
         ctx = diagnosis_report.context(self.settings, self.tiers.stats(),
-                                       self.models.memory.pressure, self.template_defaults)  # fmt: skip
+                                       self.models, self.template_defaults)  # fmt: skip
         return diagnosis_report.report(self.request_log.diagnosis, ctx, window_s, **only)
 
     def lost_tokens(self) -> dict[tuple[str, str], int]:

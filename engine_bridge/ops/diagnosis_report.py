@@ -65,9 +65,11 @@ def _by(losses: Sequence[Loss], key) -> list[dict[str, Any]]:
     return sorted(out, key=lambda g: -g["computed_tokens"])
 
 
-def context(settings: Any, tiers: Any, pressure: Any, keep_flags=None) -> Context:
+def context(settings: Any, tiers: Any, models: Any, keep_flags=None) -> Context:
     """The figures fixes are worded from: the engine's settings, the tiers' stats (read
-    off the MLX thread: the SSD's come from its index) and the memory guard's state."""
+    off the MLX thread: the SSD's come from its index), the memory guard's state and the
+    autotuner's (the served models' lifecycle runs both)."""
+    pressure = models.memory.pressure
     ram, ssd, shared = tiers.ram, tiers.ssd, tiers.shared
     policy = settings.cache_policy
     cached_tokens = ram.blocks * policy.block_size
@@ -92,6 +94,7 @@ def context(settings: Any, tiers: Any, pressure: Any, keep_flags=None) -> Contex
         warm_ahead=bool(getattr(settings.warm_ahead, "enabled", False)),
         shared_down=_shared_down(shared),
         keep_flags=keep_flags or (lambda model: {}),
+        tuning=models.autotune_stats(),
     )
 
 

@@ -48,6 +48,7 @@ class Context:
     # A model's template kwargs that keep past reasoning, where its template has such a
     # flag (Qwen3.6's preserve_thinking): the engine's defaults for it.
     keep_flags: Callable[[str], dict[str, Any]] = lambda model: {}
+    tuning: dict[str, Any] | None = None  # /v1/cache/stats autotune, when on
 
 
 def fix(r: Ranked, ctx: Context) -> dict[str, Any]:
@@ -74,6 +75,19 @@ def _evicted(r: Ranked, ctx: Context) -> dict[str, Any]:
     if ctx.ram_room_bytes is not None:
         want = min(want, ctx.ram_budget_bytes + ctx.ram_room_bytes)
     ssd = "" if ctx.ssd_enabled else "; or turn the SSD tier on, which keeps what RAM evicts"
+    tuning = ctx.tuning if ctx.tuning and ctx.tuning.get("enabled") else None
+    if tuning is not None and want > ctx.ram_budget_bytes:
+        # The autotuner grows the budget itself, up to its bound: the bound is the setting.
+        most = tuning["bounds"]["ram_max_bytes"]
+        if ctx.ram_budget_bytes < most:
+            return _out(f"RAM evicted {r.tokens:,} tokens that later requests sent again: "
+                        f"autotune is growing the budget (now {_size(ctx.ram_budget_bytes)}, "
+                        f"at most {_size(most)}){ssd}")  # fmt: skip
+        return _out(
+            f"RAM evicted {r.tokens:,} tokens that later requests sent again, and autotune's "
+            f"budget is at its bound: {_size(want)} would have kept them{ssd}",
+            "autotune.ram_max", _size(want),
+        )  # fmt: skip
     if want > ctx.ram_budget_bytes:
         return _out(
             f"RAM evicted {r.tokens:,} tokens that later requests sent again, and the SSD "

@@ -5,6 +5,7 @@ real server whose budget grows while evicted entries come back, answering as byp
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +18,8 @@ from engine_bridge.cache.write_policy import WritePolicy
 from engine_bridge.engine_settings import AutotuneSettings, EngineSettings
 from engine_bridge.ops import autotune as tuning
 from engine_bridge.ops.autotune import Autotune
+from engine_bridge.ops.diagnosis import Ranked
+from engine_bridge.ops.fixes import Context, fix
 from engine_bridge.ops.memory import MemoryGuard
 from tests.cache.test_cache_http import long_system
 from tests.cache.test_cache_manager import cache, chain, store
@@ -250,3 +253,21 @@ def test_autotune_off_keeps_the_fixed_budget(tmp_path, demo_root):
         s.stop()
     assert stats["autotune"] == {"enabled": False}
     assert stats["ram"]["budget_bytes"] == 100_000
+
+
+def test_the_eviction_fix_names_autotune_while_it_grows_and_its_bound_once_there():
+    lost = Ranked("evicted", tokens=1000, requests=3)
+    ctx = Context(ram_budget_bytes=300_000, ram_room_bytes=None, bytes_per_token=500.0,
+                  ssd_enabled=True, ssd_disabled_reason=None, ssd_max_bytes=None,
+                  ssd_bytes=None, session_ttl_s=None, ssd_ttl_s=None,
+                  checkpoint_interval=1024, keep_periodic=False, block_size=64,
+                  warm_ahead=True)  # fmt: skip
+    assert fix(lost, ctx)["key"] == "cache.ram.budget"  # the fixed settings
+    on = {"enabled": True, "bounds": {"ram_max_bytes": 600_000}}
+    growing = fix(lost, replace(ctx, tuning=on))
+    assert growing["key"] is None and "autotune is growing the budget" in growing["text"]
+    at_bound = fix(lost, replace(ctx, ram_budget_bytes=600_000, tuning=on))
+    assert (at_bound["key"], at_bound["value"]) == (
+        "autotune.ram_max",
+        "2MB",
+    )  # 0.6 MB + 1.5 x 0.5 MB, rounded up

@@ -126,7 +126,10 @@ def test_a_ram_budget_too_small_with_the_ssd_off_is_named_with_a_budget_that_hol
     tmp_path, demo_root
 ):
     # demo-llama's blocks are 16 KB: 100 KB holds six, and each project is about four.
-    s = _server(demo_root, tmp_path, "ram", "", "--ram-budget", "100000", env=SSD_OFF)
+    # With the fixed settings (autotune off): with it on, the fix says autotune is growing
+    # the budget, up to [autotune] ram_max.
+    fixed_settings = "[autotune]\nenabled = false\n"
+    s = _server(demo_root, tmp_path, "ram", fixed_settings, "--ram-budget", "100000", env=SSD_OFF)
     try:
         three_projects(s)
         body = diagnosis(s)
@@ -139,8 +142,8 @@ def test_a_ram_budget_too_small_with_the_ssd_off_is_named_with_a_budget_that_hol
     assert fix["key"] == "cache.ram.budget", fix
     assert parse_size(fix["value"]) > 100_000
     assert "turn the SSD tier on" in fix["text"]
-    fixed = _server(demo_root, tmp_path, "ram-fixed", f'[cache.ram]\nbudget = "{fix["value"]}"\n',
-                    env=SSD_OFF)  # fmt: skip
+    budget = f'[cache.ram]\nbudget = "{fix["value"]}"\n'
+    fixed = _server(demo_root, tmp_path, "ram-fixed", budget + fixed_settings, env=SSD_OFF)
     try:
         three_projects(fixed)
         after = diagnosis(fixed)
