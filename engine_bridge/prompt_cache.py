@@ -335,7 +335,9 @@ class CacheSession:
         stored = None
         if reason is not None:
             payload = kv.extract_checkpoint(cache, position, self.bs)
-            self.tiers.store_checkpoint(self.chain, self.scope, position, payload, reason)
+            # A warm-up's state supersedes nothing: the real next turn may leave its path.
+            real = not self.job.request.prefill_only
+            self.tiers.store_checkpoint(self.chain, self.scope, position, payload, reason, real)
             stored = (self.chain.checkpoint_key(position), position)
         self._note(position // self.bs, stored)
 

@@ -192,15 +192,16 @@ class TierWrites:
                 self._write(s, EntryKind.BLOCK, chain.hashes[i], chain.block_size, None)
 
     def store_checkpoint(
-        self, chain: Chain, scope: Scope, position: int, payload: Any, reason: CheckpointReason
-    ) -> None:
+        self, chain: Chain, scope: Scope, position: int, payload: Any, reason: CheckpointReason,
+        supersedes: bool = True,
+    ) -> None:  # fmt: skip
         """Insert the state after `position` tokens of `chain`; with write-through, write it
         once it has stayed the deepest on its path a while (write_policy.py)."""
         stored = Stored(payload, scope)
         big = has_snapshots(payload)
         if big:
             self.snapshot_scopes.add(scope)
-        self.ram.insert_checkpoint(chain, position, stored, reason)
+        self.ram.insert_checkpoint(chain, position, stored, reason, supersedes)
         if reason is CheckpointReason.GENERATION_END and len(self.deferred):
             # The request is done: its held-back checkpoints wait from now, so a long
             # generation does not use up the time the client's next turn needs to arrive.

@@ -459,11 +459,12 @@ class TieredCache:
             self.shared.stored_blocks(chain, stored)
 
     def store_checkpoint(
-        self, chain: Chain, scope: Scope, position: int, payload: Any, reason: CheckpointReason
-    ) -> None:
+        self, chain: Chain, scope: Scope, position: int, payload: Any, reason: CheckpointReason,
+        supersedes: bool = True,
+    ) -> None:  # fmt: skip
         """Insert the state after `position` tokens of `chain`, and write it when its policy
         says (tier_writes.py)."""
-        self.writes.store_checkpoint(chain, scope, position, payload, reason)
+        self.writes.store_checkpoint(chain, scope, position, payload, reason, supersedes)
         if self.shared is not None:
             kept = self.ram.entry(EntryKind.CHECKPOINT, chain.checkpoint_key(position))
             mine = kept is not None and kept.payload.payload is payload

@@ -108,6 +108,29 @@ def test_a_tip_the_conversation_left_inside_its_last_message_is_superseded(tmp_p
         assert checkpoints_on_disk(ssd, rerendered, (14, 22)) == {22}
 
 
+def test_a_warm_ups_guess_supersedes_nothing_so_the_prompt_end_still_reaches_disk(tmp_path):
+    # A request ends at 9; warm-ahead then prefills its guess of the next question past
+    # it (the model's own output, then a question). The real next turn is a tool round,
+    # which leaves that path at 10: it resumes at 9, after a restart too. Seen in the
+    # distributed bench: a restart resumed 2,911 tokens back instead of 4,202.
+    turns = chain()
+    with open_ssd(tmp_path) as ssd:
+        t = hybrid_tiers(ssd)
+        store(t, turns, (5, CheckpointReason.BOUNDARY), (9, CheckpointReason.PROMPT_END))
+        t.store_blocks(turns, SCOPE, {i: block(i) for i in range(17 // BS)})
+        t.store_checkpoint(turns, SCOPE, 17, checkpoint(17), CheckpointReason.PROMPT_END,
+                           supersedes=False)  # fmt: skip
+        assert superseded(t) == set()
+        t.deferred.flush(everything=True)  # what close does first
+        assert checkpoints_on_disk(ssd, turns, (5, 9, 17)) == {5, 9, 17}
+    # Without the flag a deeper prompt end on the path supersedes 9, as a real turn's does.
+    with open_ssd(tmp_path / "real") as ssd:
+        t = hybrid_tiers(ssd)
+        store(t, turns, (5, CheckpointReason.BOUNDARY), (9, CheckpointReason.PROMPT_END))
+        store(t, turns, (17, CheckpointReason.PROMPT_END))
+        assert 9 in superseded(t)
+
+
 def test_a_session_that_shares_only_the_first_message_keeps_its_tip(tmp_path):
     first = chain()
     # Another session: the same system prompt (up to 5), then its own first message.
@@ -128,7 +151,9 @@ def test_periodic_checkpoints_reach_disk_only_as_far_apart_as_a_crash_may_lose(t
     every = 16  # 8 intervals of 2 tokens
     with open_ssd(tmp_path) as ssd:
         t = hybrid_tiers(ssd, every=every)
-        points = [(3, CheckpointReason.BOUNDARY)] + [(p, CheckpointReason.PERIODIC) for p in range(4, 45, 2)]
+        points = [(3, CheckpointReason.BOUNDARY)] + [
+            (p, CheckpointReason.PERIODIC) for p in range(4, 45, 2)
+        ]
         store(t, long, *points)
         written = checkpoints_on_disk(ssd, long, [p for p, _ in points])
         # From the first boundary at 3: the last periodic one before 3 + 16 is 18, then 34.
@@ -145,7 +170,9 @@ def test_a_prefill_counts_its_periodic_writes_from_where_it_resumed(tmp_path):
     with open_ssd(tmp_path) as ssd:
         t = hybrid_tiers(ssd, every=every)
         first = chain(tokens[:21])
-        store(t, first, (3, CheckpointReason.BOUNDARY), (20, CheckpointReason.PROMPT_END))  # 20 is held back
+        store(
+            t, first, (3, CheckpointReason.BOUNDARY), (20, CheckpointReason.PROMPT_END)
+        )  # 20 is held back
         # The next turn resumes at 20: its own prefill loses at most 16 tokens to a crash
         # with 36 on disk; counted from the first boundary (3), 22 would be due already.
         nxt = chain(tokens)

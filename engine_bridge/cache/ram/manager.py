@@ -249,10 +249,16 @@ class CacheManager:
         return InsertResult(inserted, deduped, evicted=len(evicted))
 
     def insert_checkpoint(
-        self, chain: Chain, position: int, payload: object, reason: CheckpointReason
+        self,
+        chain: Chain,
+        position: int,
+        payload: object,
+        reason: CheckpointReason,
+        supersedes: bool = True,
     ) -> InsertResult:
         """Store the state after `position` tokens of `chain`, then thin periodic checkpoints
-        on its path."""
+        on its path. `supersedes` False: a warm-up's guess, past the model's own output,
+        makes no older checkpoint redundant (supersede.py), as a generation end makes none."""
         assert isinstance(reason, CheckpointReason), (
             f"checkpoint reason {reason!r} is not a CheckpointReason"
         )
@@ -274,7 +280,8 @@ class CacheManager:
             )
             thinned = self._checkpoints.thin(chain, ckpt) if thins else []
             self._thinned += len(thinned)
-            self._superseded += mark_superseded(self._pool, self._checkpoints, chain, ckpt)
+            if supersedes:
+                self._superseded += mark_superseded(self._pool, self._checkpoints, chain, ckpt)
             evicted = self._evict_to_budget()
         self._spill(evicted)
         return InsertResult(int(created), int(not created), len(thinned), len(evicted))
