@@ -86,7 +86,7 @@ class Autotune:
         self.diagnosis = diagnosis
         self.changes: deque[Change] = deque(maxlen=HISTORY)
         self._quiet = 0
-        self._ghosts = {"recent": 0, "frequent": 0, "bytes": 0}
+        self._ghosts = {"recent": 0, "frequent": 0, "came_back_bytes": 0}
 
     @property
     def base_bytes(self) -> int:
@@ -103,7 +103,7 @@ class Autotune:
         hits = self.ram.ghost_hits()
         self._ghosts["recent"] += hits.recent
         self._ghosts["frequent"] += hits.frequent
-        self._ghosts["bytes"] += hits.bytes
+        self._ghosts["came_back_bytes"] += hits.bytes
         made: list[Change] = []
         if hits.bytes:
             # ARC's move: a ghost of a read entry wants frequency kept, one never read wants

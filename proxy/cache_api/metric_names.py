@@ -41,7 +41,7 @@ LEVELS = frozenset({
     "running", "prefilling", "waiting", "largest_batch", "blocks", "checkpoints", "entries",
     "queued", "held", "rewrites_pending", "feature_entries", "prepared_entries", "pending",
 })  # fmt: skip
-COUNTERS = frozenset({"evicted_bytes", "freed_bytes", "decode_s", "prefill_s"})
+COUNTERS = frozenset({"evicted_bytes", "freed_bytes", "came_back_bytes", "decode_s", "prefill_s"})
 LABELLED = {("requests", "by_source"): "source", ("shared", "errors"): "kind"}
 ALIASES = frozenset({("hits",), ("misses",), ("hit_ratio",)})
 SKIPPED = frozenset({("alert",)})
@@ -58,6 +58,7 @@ SECTIONS = {
     "writes": "SSD writes",
     "vision": "Vision caches",
     "warm_ahead": "Warming ahead (the next question's prefix, prefilled while idle)",
+    "autotune": "Tuning by load (the RAM budget and eviction policy)",
     "reasoning_memo": "Reasoning kept per assistant turn, put back where clients drop it",
     "proxy": "The proxy's own stores",
 }

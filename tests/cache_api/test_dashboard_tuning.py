@@ -131,7 +131,7 @@ def autotune_wanted(auto: dict) -> dict:
         "protect": f"{js(auto['protect_frequent'])} (0 – {js(b['protect_frequent_max'])})",
         "protect_bar": [0, b["protect_frequent_max"], auto["protect_frequent"]],
         "periodic": js(auto["keep_periodic"]),
-        "ghosts": f"{size(g['bytes'])}: {g['frequent']:,} entries read before, "
+        "ghosts": f"{size(g['came_back_bytes'])}: {g['frequent']:,} entries read before, "
         f"{g['recent']:,} never read",
         "changes": [
             [c["setting"], c["time"], f"{shown(c, c['from'])} → {shown(c, c['to'])}", c["reason"]]

@@ -408,6 +408,8 @@ def _steady(stats: dict) -> list:
 # `_total`, breaks dashboards' rate() queries, and fails this test.
 COUNTER_FAMILIES = frozenset(
     """
+autotune_ghost_hits_came_back_bytes_total autotune_ghost_hits_frequent_total
+autotune_ghost_hits_recent_total
 cached_tokens_total completion_tokens_total decode_steps_total decode_tokens_total
 http_errors_total lost_tokens_total memory_freed_bytes_total memory_shrinks_total
 prompt_tokens_total

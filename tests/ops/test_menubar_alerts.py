@@ -39,7 +39,7 @@ ALERTS = [
 TUNED = {
     "enabled": True, "ram_budget_bytes": 525_000, "protect_frequent": 0.1, "keep_periodic": False,
     "bounds": {"ram_min_bytes": 300_000, "ram_max_bytes": 600_000, "protect_frequent_max": 0.9},
-    "ghost_hits": {"recent": 2, "frequent": 1, "bytes": 98_304},
+    "ghost_hits": {"recent": 2, "frequent": 1, "came_back_bytes": 98_304},
     "changes": [{"time": 1_790_000_000.5, "setting": "cache.ram.budget", "from": 300_000,
                  "to": 525_000, "reason": "0.1 MB of evicted entries came back since the last look"}],
 }  # fmt: skip

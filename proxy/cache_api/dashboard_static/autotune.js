@@ -31,7 +31,7 @@ const Autotune = (() => {
     $("autotune-periodic").textContent = toml(a.keep_periodic);
     const g = a.ghost_hits;
     $("autotune-ghosts").textContent =
-      `${bytes(g.bytes)}: ${count(g.frequent)} entries read before, ${count(g.recent)} never read`;
+      `${bytes(g.came_back_bytes)}: ${count(g.frequent)} entries read before, ${count(g.recent)} never read`;
     const changes = a.changes || [];
     const last = changes[changes.length - 1];
     $("autotune-detail").textContent = last
