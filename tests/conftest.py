@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +157,74 @@ def anthropic_client(server):
     import anthropic
 
     return anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0, timeout=120)
+
+
+# The longest test files, longest first (seconds on a 2-core CPU, from `--durations=0`
+# summed by file). ./scripts/test keeps each file on one worker (--dist loadfile), and xdist
+# hands out files with the most tests first, so a long file of one test (the soaks) would
+# start last and run on one worker while the other sits idle. The workers take these first,
+# then the rest by their number of tests, as xdist would: a list out of date costs balance,
+# never a test.
+SLOWEST_FILES = (
+    "tests/ops/test_bench.py",  # 160
+    "tests/distributed/test_serve_ranks.py",  # 107
+    "tests/prompting/test_tool_formats.py",  # 106
+    "tests/prompting/test_agent_templates.py",  # 106
+    "tests/cache/test_cache_equivalence.py",  # 91
+    "tests/cache/test_diagnosis.py",  # 84
+    "tests/ssd/test_ssd_server.py",  # 70
+    "tests/dialects/test_real_clients.py",  # 68
+    "tests/ops/test_soak.py",  # 52
+    "tests/distributed/test_lockstep.py",  # 51
+    "tests/dialects/test_fuzz.py",  # 50
+    "tests/distributed/test_sharded_load.py",  # 49
+    "tests/ops/test_crash_soak.py",  # 46
+    "tests/scheduling/test_speculative_mtp.py",  # 45
+    "tests/dialects/test_stream_keepalive.py",  # 43
+    "tests/scheduling/test_speculative.py",  # 30
+    "tests/prompting/test_real_template_formats.py",  # 30
+    "tests/scheduling/test_batching.py",  # 30
+    "tests/prompting/test_qwen36_real_template.py",  # 27
+    "tests/prompting/test_foreign_markup.py",  # 27
+    "tests/distributed/test_ranks_shared.py",  # 25
+    "tests/cache/test_cache_http.py",  # 25
+    "tests/vision/test_vision_features.py",  # 21
+    "tests/cache/test_warm_ahead.py",  # 20
+    "tests/ssd/test_ssd_damage.py",  # 20
+    "tests/scheduling/test_speculative_rules.py",  # 19
+    "tests/cache_api/test_dashboard.py",  # 18
+    "tests/upstream/test_upstream_routing.py",  # 16
+    "tests/shared/test_shared_http.py",  # 15
+    "tests/vision/test_bench_vision.py",  # 15
+    "tests/cache/test_autotune.py",  # 15
+)
+
+
+def pytest_configure(config):
+    # In the controller: hand out files in the order the workers collected them (below),
+    # not re-sorted by their number of tests.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """In an xdist worker: the longest files first, then the rest by number of tests.
+
+    Only the order of files changes; tests within a file keep theirs."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+
+    def file_of(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    per_file = Counter(map(file_of, items))
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+
+    def key(item) -> tuple[int, int]:
+        name = file_of(item)
+        return (rank[name], 0) if name in rank else (len(rank), -per_file[name])
+
+    items.sort(key=key)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -67,7 +67,7 @@ class Sizes:
 
 
 # Small enough for a test on a 2-core CPU; every configuration still runs on every model.
-TINY = Sizes(60, 80, 1)
+TINY = Sizes(30, 40, 1)
 
 
 # --- The case: a file, an edit of one of its spans, and the request (no mlx here) ---

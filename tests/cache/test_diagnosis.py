@@ -356,8 +356,10 @@ def test_an_alert_names_the_cause_and_its_fix_reaches_the_webhook_once_and_clear
     tmp_path, demo_root
 ):
     hook = Webhook()
+    # A window that holds a rewritten turn or two (each loses its ~300-token system
+    # prompt), and that the test then waits out for the alerts to clear.
     config = (
-        f'[alerts]\nwebhook = "{hook.url}"\nmin_tokens = 100\nwindow = "20s"\n'
+        f'[alerts]\nwebhook = "{hook.url}"\nmin_tokens = 100\nwindow = "8s"\n'
         'interval = "1s"\nrepeat = "1h"\n'
     )
     s = _server(demo_root, tmp_path, "alerts", config)

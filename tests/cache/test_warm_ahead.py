@@ -29,13 +29,21 @@ TOOL = {
 }
 CALL = {"id": "call_1", "type": "function"}
 CALL["function"] = {"name": "read_file", "arguments": '{"path": "notes.txt"}'}
+# [cache.warm_ahead] after_idle: a warm-up starts after 0.2 s with no request, not the
+# default second a person reads for; the tests wait for it either way.
+WARM_AFTER_IDLE = {"MLX_PROMPT_CACHE_CACHE_WARM_AHEAD_AFTER_IDLE": "0.2"}
 
 
 @pytest.fixture(scope="module")
 def warm_server(demo_root, tmp_path_factory):
     cache_dir = fresh_cache_dir(demo_root, tmp_path_factory.mktemp("warm-ahead"))
     server = start_server(
-        cache_dir, "--model", MODEL, "--upstream", "http://127.0.0.1:9", env=WARM_AHEAD_ON
+        cache_dir,
+        "--model",
+        MODEL,
+        "--upstream",
+        "http://127.0.0.1:9",
+        env={**WARM_AHEAD_ON, **WARM_AFTER_IDLE},
     )
     yield server
     server.stop()

@@ -3,7 +3,7 @@ token, each streaming dialect sends its own beat every `[server] stream_keepaliv
 form its clients parse and ignore, so their read and idle timeouts never fire.
 
 A real server runs with each request's prefill slowed by a sleep on the MLX thread
-(tests/support/slow_prefill/sitecustomize.py, on PYTHONPATH), the keepalive at 1 s, and
+(tests/support/slow_prefill/sitecustomize.py, on PYTHONPATH), the keepalive at 0.5 s, and
 demo-hybrid's output forced, so the answers are known. Raw HTTP shows each dialect's beat;
 the openai and anthropic SDKs, with a read timeout shorter than the slowed prefill, get the
 whole answer; and the real Codex CLI, whose idle timer only a dispatched event resets,
@@ -32,16 +32,21 @@ from tests.support import clients
 
 MODEL = "demo-hybrid"
 SLOW_PREFILL_SITE = Path(__file__).resolve().parents[1] / "support" / "slow_prefill"
-KEEPALIVE_S = 1
-# Long enough for two beats at 1 s, with room for the event loop to start the stream.
-RAW_PREFILL_S = 2.5
-# The SDKs' timeout (each read's, among others: a float sets every phase), and a prefill
-# well past it.
-SDK_READ_TIMEOUT_S = 2.0
-SDK_PREFILL_S = 4.5
+# Every wait below is a whole number of beats plus the same room as at a 1 s keepalive.
+KEEPALIVE_S = 0.5
+# Long enough for two beats at 0.5 s, with 0.5 s of room for the event loop to start the
+# stream.
+RAW_PREFILL_S = 1.5
+# Time enough for one beat, not for the first token: the client has left before its
+# prefill ends.
+DISCONNECT_PREFILL_S = 1.0
+# The SDKs' timeout (each read's, among others: a float sets every phase), a beat and 1 s
+# of room, and a prefill twice past it.
+SDK_READ_TIMEOUT_S = 1.5
+SDK_PREFILL_S = 3.0
 # Issue 33 saw Codex's 20 s idle timeout lose to a 60 s cold prefill; the same 1:3, smaller.
-CODEX_IDLE_MS = 3000
-CODEX_PREFILL_S = 9.0
+CODEX_IDLE_MS = 2000
+CODEX_PREFILL_S = 6.0
 
 CODEX = clients.codex()
 
@@ -174,7 +179,7 @@ def test_messages_sends_pings_while_the_prefill_runs(slow):
 
 
 def test_a_client_gone_during_the_silent_start_cancels_its_generation(slow):
-    slow.slow_next_prefills(1.5)
+    slow.slow_next_prefills(DISCONNECT_PREFILL_S)
     stats = slow.url + "/v1/cache/stats"
     before = httpx.get(stats, timeout=10).json()["requests"]["cancelled"]
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt("disconnect")}],
@@ -251,7 +256,7 @@ def test_anthropic_sdk_streams_a_message_whole_through_a_prefill_past_its_read_t
 @pytest.mark.skipif(CODEX.path is None, reason=CODEX.why_missing or "-")
 def test_codex_finishes_its_turn_through_a_prefill_three_times_its_idle_timeout(slow, tmp_path):
     """Issue 33: Codex (`stream_idle_timeout_ms` 20 s) gave up on a 60 s cold prefill. Here
-    the same ratio, smaller so the suite stays fast: a 3 s idle timeout and a 9 s sleep
+    the same ratio, smaller so the suite stays fast: a 2 s idle timeout and a 6 s sleep
     before the prefill of Codex's prompt (its own instructions swapped for one line, which
     leaves its tools: ~7k tokens). Codex resets its idle timer only when an SSE event is
     dispatched (a comment is none), so its beat is `response.in_progress`, which it ignores."""

@@ -18,6 +18,11 @@ from tests.conftest import QWEN36, REPO, free_ports
 MODELS = ("demo-llama", "demo-hybrid", QWEN36)
 # mlx-lm 0.32.2 gives llama no `pipeline`: split by layers, only the Qwen3.5/3.6 models.
 SPLITS = {"tensor": MODELS, "pipeline": ("demo-hybrid", QWEN36)}
+# mlx-lm cannot split demo-swa (gemma3_text) by heads: the tensor world is refused it
+# first, and loads the others after the refusal.
+REFUSED = "demo-swa"
+# Each mode's world loads these, in this order: one launch per mode.
+WORLD_MODELS = {"tensor": (REFUSED, *MODELS), "pipeline": MODELS}
 # Split by heads, a sum of partial products meets in an all_sum: float32 reassociation.
 TENSOR_TOLERANCE = 1e-4
 
@@ -36,9 +41,23 @@ def _ranks(tmp_path: Path, demo_root: Path, mode: str, models: tuple[str, ...]) 
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.fixture(scope="module")
+def world(demo_root, tmp_path_factory):
+    """Each mode's ranks' reports, from one launch per mode, shared by the tests below."""
+    reports: dict[str, list[dict]] = {}
+
+    def ranks(mode: str) -> list[dict]:
+        if mode not in reports:
+            tmp = tmp_path_factory.mktemp(f"world-{mode}")
+            reports[mode] = _ranks(tmp, demo_root, mode, WORLD_MODELS[mode])
+        return reports[mode]
+
+    return ranks
+
+
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-def test_a_split_model_computes_what_the_whole_one_does(demo_root, tmp_path, mode):
-    ranks = _ranks(tmp_path, demo_root, mode, MODELS)
+def test_a_split_model_computes_what_the_whole_one_does(world, mode):
+    ranks = world(mode)
     assert [r["rank"] for r in ranks] == [0, 1] and {r["size"] for r in ranks} == {2}
     for model in SPLITS[mode]:
         seen = [r["models"][model] for r in ranks]
@@ -60,16 +79,16 @@ def test_a_split_model_computes_what_the_whole_one_does(demo_root, tmp_path, mod
             other = World(None, rank, 2, Mode.PIPELINE if mode == "tensor" else Mode.TENSOR)
             assert s["fingerprint"] != other.fingerprint(s["whole_fingerprint"])
     # Rank 0's decision reaches every rank, and every rank gets the least of their offers.
-    assert [r["shared"] for r in ranks] == [{"from": "rank 0", "models": list(MODELS)}] * 2
+    models = list(WORLD_MODELS[mode])
+    assert [r["shared"] for r in ranks] == [{"from": "rank 0", "models": models}] * 2
     assert [r["least"] for r in ranks] == [10, 10]
     # Every rank resumes at the deepest point all of them hold, never one only some have.
     assert [r["common"] for r in ranks] == [[192, 64, 0]] * 2
 
 
-def test_a_model_mlx_lm_cannot_split_is_refused_with_its_name(demo_root, tmp_path):
-    ranks = _ranks(tmp_path, demo_root, "tensor", ("demo-swa",))
-    for r in ranks:
-        refused = r["models"]["demo-swa"]
+def test_a_model_mlx_lm_cannot_split_is_refused_with_its_name(world):
+    for r in world("tensor"):
+        refused = r["models"][REFUSED]
         assert refused["status"] == 503
         assert (
             "gemma3_text.Model cannot be split in tensor mode across 2 ranks" in refused["refused"]

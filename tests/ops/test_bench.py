@@ -371,7 +371,9 @@ def test_bench_imports_no_optional_package_until_a_scenario_needs_it():
 
 def test_bench_without_redis_or_mlx_vlm_skips_their_scenarios_and_exits_0(tmp_path, demo_root):
     # The bench in its own process, where importing redis, mlx_vlm or matplotlib fails,
-    # with redis-server off PATH: shared and vision are skipped, chat runs for real.
+    # with redis-server off PATH: shared and vision are skipped, share runs for real (the
+    # cheapest scenario with a model: two servers; test_bench_quick_runs_end_to_end runs
+    # it and chat with matplotlib).
     code = (
         "import sys\n"
         f"for m in {OPTIONAL_MODULES!r}: sys.modules[m] = None\n"
@@ -380,7 +382,7 @@ def test_bench_without_redis_or_mlx_vlm_skips_their_scenarios_and_exits_0(tmp_pa
     )
     out = tmp_path / "bench"
     cmd = [sys.executable, "-c", code, "--quick", "--max-tokens", "2", "--model", "demo-llama",
-           "--scenarios", "shared,vision,chat", "--out", str(out),
+           "--scenarios", "shared,vision,share", "--out", str(out),
            "--models-dir", str(demo_root / "models")]  # fmt: skip
     env = {**os.environ, "PATH": path_without("redis-server")}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
@@ -391,21 +393,21 @@ def test_bench_without_redis_or_mlx_vlm_skips_their_scenarios_and_exits_0(tmp_pa
     assert [(s["scenario"], s["skipped"], s["errors"]) for s in scenarios] == [
         ("shared", f"{NO_REDIS_SERVER}. {NO_REDIS}", []),
         ("vision", NO_MLX_VLM, []),
-        ("chat", None, []),
+        ("share", None, []),
     ]
-    chat = scenarios[2]
-    assert {s["server"] for s in chat["samples"]} == SERVERS_BY_SCENARIO["chat"]
-    assert all(s["ok"] for s in chat["samples"])
+    share = scenarios[2]
+    assert {s["server"] for s in share["samples"]} == SERVERS_BY_SCENARIO["share"]
+    assert all(s["ok"] for s in share["samples"])
     assert data["meta"]["plot_note"] == NO_MATPLOTLIB
     assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["results.json", "results.md"]
     assert f"skipped: shared: {NO_REDIS_SERVER}. {NO_REDIS}" in proc.stderr
     assert f"skipped: vision: {NO_MLX_VLM}" in proc.stderr
     table = proc.stdout.split("\n\nresults:")[0].splitlines()
     assert table[2:4] == [
-        f"| shared | demo-llama | skipped: {NO_REDIS_SERVER}. {NO_REDIS} | — | — | — | — |",
-        f"| vision | demo-llama | skipped: {NO_MLX_VLM} | — | — | — | — |",
+        f"| shared | demo-llama | skipped: {NO_REDIS_SERVER}. {NO_REDIS} | — | — | — |",
+        f"| vision | demo-llama | skipped: {NO_MLX_VLM} | — | — | — |",
     ]
-    assert table[4].startswith("| chat | demo-llama | mean TTFT of turns 2..N (s) | ")
+    assert table[4].startswith("| share | demo-llama | cache bytes per session (4 sessions) | ")
     md = (out / "results.md").read_text()
     assert f"- **skipped**: {NO_MLX_VLM}" in md and NO_MATPLOTLIB in md
 

@@ -61,6 +61,10 @@ QUESTION_MARKUP_TOKENS = 24
 # warm-up of the next question's ~11k-token prefix takes seconds on this CPU.
 OFFER_DEADLINE_S = 10.0
 WARM_DEADLINE_S = 120.0
+# [cache.warm_ahead] after_idle: the idle second a person reads for (the default) is a wait
+# the test's scripted pause would sit out twice per session; a warm-up still starts only
+# once no request runs.
+WARM_AFTER_IDLE = {"MLX_PROMPT_CACHE_CACHE_WARM_AHEAD_AFTER_IDLE": "0.2"}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +83,7 @@ def agent_server(demo_root, tmp_path_factory):
         args += ["--model", m["path"]]
     cache_dir = fresh_cache_dir(demo_root, root / "cache")
     # Warming ahead on, as served by default: test servers run without it.
-    env = {"MLX_PROMPT_CACHE_FORCE_OUTPUT": str(forced), **WARM_AHEAD_ON}
+    env = {"MLX_PROMPT_CACHE_FORCE_OUTPUT": str(forced), **WARM_AHEAD_ON, **WARM_AFTER_IDLE}
     server = start_server(cache_dir, *args, env=env)
     data = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
     ids = {Path(m["id"]).name: m["id"] for m in data}

@@ -11,6 +11,7 @@ markup through its real tokenizer instead.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,11 +115,18 @@ def _model_ids(url: str) -> dict[str, str]:
     return {Path(m["id"]).name: m["id"] for m in data}
 
 
-def _tokens_into_the_call(path: Path, fam: families.Family) -> int:
-    """max_tokens that stops the one-call text a few characters into its call."""
+@functools.cache
+def _tokenizer(path: Path):
+    """A family model's tokenizer, loaded once for the module (Qwen3.6's 248k vocabulary
+    takes seconds)."""
     from mlx_lm.tokenizer_utils import load
 
-    tok = load(path)
+    return load(path)
+
+
+def _tokens_into_the_call(path: Path, fam: families.Family) -> int:
+    """max_tokens that stops the one-call text a few characters into its call."""
+    tok = _tokenizer(Path(path))
     text = fam.one_call.text
     start = call_marker(fam, tok)
     cut = text.index(start) + len(start) + 4
@@ -313,11 +321,10 @@ def test_usage_counts_the_reasoning_blocks_tokens(fam_server, family):
     """reasoning_tokens: the tokens of the reasoning and its markers, no fewer than the
     reasoning's own and no more than everything written before the call."""
     import openai
-    from mlx_lm.tokenizer_utils import load
 
     server, ids, _, paths = fam_server
     fam = family_of(family)
-    tok = load(Path(paths[family]))
+    tok = _tokenizer(Path(paths[family]))
     text = fam.one_call.text
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="t", max_retries=0)
     messages = [{"role": "user", "content": f"[case={family}-one] list the files"}]

@@ -365,8 +365,13 @@ def soak(url: str, pid: int, settings: Settings, progress=sys.stderr) -> dict[st
         ]
         for t in threads:
             t.start()
-        while any(t.is_alive() for t in threads):
-            time.sleep(5.0)
+        printed = time.monotonic()
+        # A progress line every 5 s; the wait ends as soon as the last client is done.
+        while alive := [t for t in threads if t.is_alive()]:
+            alive[0].join(max(0.0, printed + 5.0 - time.monotonic()))
+            if time.monotonic() - printed < 5.0:
+                continue
+            printed = time.monotonic()
             last = monitor.samples[-1] if monitor.samples else start
             rate = tally.completed / max(time.monotonic() - t0, 1e-9)
             print(

@@ -35,9 +35,12 @@ def _start_mlx_server(model_dir, home):
     pytest.fail("mlx_lm.server did not start")
 
 
-@pytest.fixture
-def lm_studio_pair(demo_root, tmp_path):
-    """mlx_lm.server serving demo-swa as 'LM Studio'; the proxy serves demo-llama itself."""
+@pytest.fixture(scope="module")
+def lm_studio_pair(demo_root, tmp_path_factory):
+    """mlx_lm.server serving demo-swa as 'LM Studio'; the proxy serves demo-llama itself.
+
+    One pair for the module: the test that stops the upstream comes last."""
+    tmp_path = tmp_path_factory.mktemp("lm-studio-pair")
     upstream_proc, upstream_url = _start_mlx_server(
         demo_root / "models" / "demo-swa", tmp_path / "hf"
     )
@@ -94,35 +97,6 @@ def test_upstream_model_is_passed_through_and_local_model_served(lm_studio_pair)
     assert local.headers["x-prompt-cache-source"] in ("none", "ram", "ssd")
 
 
-def test_upstream_down_gives_502_and_local_models_keep_working(lm_studio_pair):
-    proxy, upstream_proc, upstream_url = lm_studio_pair
-    upstream_proc.terminate()
-    upstream_proc.wait(10)
-    r = httpx.post(proxy.url + "/v1/embeddings", json={"model": "x", "input": "y"}, timeout=30)
-    assert r.status_code == 502
-    assert upstream_url in r.json()["error"]["message"]
-    time.sleep(2.1)  # the upstream model list is cached for ~2 s
-    r = httpx.post(
-        proxy.url + "/v1/chat/completions",
-        json={"model": "gguf-only-model", "messages": [{"role": "user", "content": "x"}]},
-        timeout=30,
-    )
-    assert r.status_code == 404
-    assert "unreachable" in r.json()["error"]["message"]
-    ok = httpx.post(
-        proxy.url + "/v1/chat/completions",
-        json={
-            "model": "demo-llama",
-            "messages": [{"role": "user", "content": "x"}],
-            "max_tokens": 2,
-        },
-        timeout=60,
-    )
-    assert ok.status_code == 200
-    models = httpx.get(proxy.url + "/v1/models", timeout=30).json()["data"]
-    assert [m["id"] for m in models] == ["demo-llama"]
-
-
 def test_lmstudio_native_routes_serve_local_models_with_stats(lm_studio_pair):
     proxy, _, upstream_url = lm_studio_pair
     body = {
@@ -155,6 +129,36 @@ def test_lmstudio_native_routes_serve_local_models_with_stats(lm_studio_pair):
     models = httpx.get(proxy.url + "/api/v0/models", timeout=30).json()["data"]
     local = [m for m in models if m["id"] == "demo-llama"]
     assert local and local[0]["compatibility_type"] == "mlx" and local[0]["state"] == "loaded"
+
+
+def test_upstream_down_gives_502_and_local_models_keep_working(lm_studio_pair):
+    # Stops the module's upstream: the last test of the pair.
+    proxy, upstream_proc, upstream_url = lm_studio_pair
+    upstream_proc.terminate()
+    upstream_proc.wait(10)
+    r = httpx.post(proxy.url + "/v1/embeddings", json={"model": "x", "input": "y"}, timeout=30)
+    assert r.status_code == 502
+    assert upstream_url in r.json()["error"]["message"]
+    time.sleep(2.1)  # the upstream model list is cached for ~2 s
+    r = httpx.post(
+        proxy.url + "/v1/chat/completions",
+        json={"model": "gguf-only-model", "messages": [{"role": "user", "content": "x"}]},
+        timeout=30,
+    )
+    assert r.status_code == 404
+    assert "unreachable" in r.json()["error"]["message"]
+    ok = httpx.post(
+        proxy.url + "/v1/chat/completions",
+        json={
+            "model": "demo-llama",
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2,
+        },
+        timeout=60,
+    )
+    assert ok.status_code == 200
+    models = httpx.get(proxy.url + "/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in models] == ["demo-llama"]
 
 
 @pytest.fixture
