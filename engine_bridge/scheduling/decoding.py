@@ -67,7 +67,10 @@ class Decoding:
             self._collect()
             if not self.running:
                 return True
-        drafts = seq.spec.draft(seq.out, seq.job.max_tokens - len(seq.out) - 1)
+        # The first token is the client's time to first token: it comes from a plain step,
+        # never from a verify pass, which costs more than one (a pass's tokens each run
+        # their own experts: the warm tool round of a split demo-qwen36 waited 0.25 s).
+        drafts = seq.spec.draft(seq.out, seq.job.max_tokens - len(seq.out) - 1) if seq.out else []
         if drafts:
             self._verify(seq, drafts)
         else:

@@ -177,6 +177,41 @@ def test_greedy_output_is_plain_decode_whatever_the_drafter(engine, model):
     assert after[0] - before[0] <= 7 * K
 
 
+class Recording(Oracle):
+    """The oracle, noting how many output tokens each proposal follows."""
+
+    def __init__(self, truth: list[int]):
+        super().__init__(truth)
+        self.asked: list[int] = []
+
+    def propose(self, out, k):
+        self.asked.append(len(out))
+        return super().propose(out, k)
+
+
+def test_the_first_token_comes_from_a_plain_step_never_a_verify_pass(engine):
+    """The first token is the client's time to first token, and a verify pass costs more
+    than a plain step (each drafted token runs the model too: its experts, on a MoE). So
+    the drafter is first asked once a token is out, even with a draft that would be kept
+    whole; the output is still plain decode's."""
+    spec = engine.scheduler.settings.speculation
+    stats = engine.scheduler.stats
+
+    async def scenario():
+        plain, _ = await _generate(engine, _request("demo-llama", speculative=False,
+                                                    use_cache=False, n=24))  # fmt: skip
+        recording = Recording(plain)
+        spec.drafter = lambda p: recording
+        rounds = stats.spec_rounds
+        out, _ = await _generate(engine, _request("demo-llama", use_cache=False, n=24))
+        return plain, out, recording.asked, stats.spec_rounds - rounds
+
+    plain, out, asked, rounds = _run(scenario())
+    assert out == plain
+    assert asked and min(asked) == 1, asked  # from the first token on, never before it
+    assert rounds > 0  # and it did speculate after that
+
+
 def test_a_batch_of_four_matches_plain_decode_row_for_row(engine):
     spec = engine.scheduler.settings.speculation
     # Each row's oracle proposes what its prompt's plain run wrote.
