@@ -3,10 +3,12 @@
 Every `interval` (on the MLX thread, after the memory guard's check, which always wins):
 
 - **RAM budget.** Ghosts that came back (cache/ram/ghosts.py: entries evicted, then needed
-  again) are what a larger budget would have kept. While they keep coming (at least
-  `MIN_GHOST_SHARE` of the budget a tick), the budget grows by what came back, at least a
-  step (a quarter of the configured one), up to `ram_max` and only while the machine keeps twice the guard's floor
-  free after it (never toward swap). After `QUIET_TICKS` ticks without a ghost it gives a
+  again) are what a larger budget would have kept, and each ghost's depth (the bytes
+  evicted after it went) says how much larger. While they keep coming (at least
+  `MIN_GHOST_SHARE` of the budget a tick), the budget grows in one look to what would
+  have kept them all: by the deepest ghost's depth, or by what came back, at least a step
+  (a quarter of the configured one); up to `ram_max` and only while the machine keeps
+  twice the guard's floor free after it (never toward swap). After `QUIET_TICKS` ticks without a ghost it gives a
   step back, never below the configured budget.
 - **Eviction policy.** `protect_frequent` (manager.py: the share of the budget entries read
   twice or more keep past eviction's turn) moves as ARC moves its target: ghosts of entries
@@ -117,7 +119,7 @@ class Autotune:
                                          self.ram.protect_frequent, p, why))  # fmt: skip
                 self.ram.protect_frequent = p
         if not self.guard.pressure.active:  # the guard is shrinking the tier: it decides
-            made += self._budget(hits.bytes, available, total)
+            made += self._budget(hits.bytes, hits.depth, available, total)
         made += self._spacing()
         made += self._writes(time.time() if now is None else now)
         return made
@@ -148,7 +150,9 @@ class Autotune:
         writes.policy = policy
         return change
 
-    def _budget(self, ghost_bytes: int, available: int | None, total: int | None) -> list[Change]:
+    def _budget(
+        self, ghost_bytes: int, depth: int, available: int | None, total: int | None
+    ) -> list[Change]:
         budget, base = self.guard.target_bytes, self.base_bytes
         step = max(int(base * STEP), 1)
         if ghost_bytes >= MIN_GHOST_SHARE * budget:
@@ -159,14 +163,16 @@ class Autotune:
             # Free memory after the step must stay above twice the guard's floor (or a
             # tenth of the machine without a guard): tuning never brings the guard on.
             keep = 2 * (self.guard.pressure.floor_bytes or total // 20)
-            # A step, or as much as came back if more: a working set twice the budget
-            # gets there in a look or two rather than four.
-            grown = min(budget + max(step, ghost_bytes), self.max_bytes,
+            # What would have kept every ghost that came back (the deepest one's depth), or
+            # as much as came back, at least a step: a working set twice the budget is
+            # held from the first look its ghosts come back in, not after four.
+            grown = min(budget + max(step, ghost_bytes, depth), self.max_bytes,
                         budget + max(available - keep, 0))  # fmt: skip
             if grown <= budget:
                 return []
-            return [self._set_budget(grown, f"{_mb(ghost_bytes)} of evicted entries came back "
-                                     "since the last look")]  # fmt: skip
+            why = (f"{_mb(ghost_bytes)} of evicted entries came back since the last look, "
+                   f"the deepest after {_mb(depth)} more was evicted")  # fmt: skip
+            return [self._set_budget(grown, why)]
         self._quiet += 1
         if self._quiet < QUIET_TICKS or budget <= base:
             return []

@@ -13,6 +13,7 @@ import httpx
 
 from engine_bridge.cache.kinds import EntryKind
 from engine_bridge.cache.ram import manager
+from engine_bridge.cache.ram.ghosts import Ghosts
 from engine_bridge.cache.ssd.wear import WearMeter
 from engine_bridge.cache.write_policy import WritePolicy
 from engine_bridge.engine_settings import AutotuneSettings, EngineSettings
@@ -76,6 +77,17 @@ def test_ghosts_count_what_came_back_by_whether_it_had_been_read():
     assert m.ghost_hits().bytes == 0, "taken once"
 
 
+def test_a_ghosts_depth_is_the_bytes_evicted_after_it_went_its_own_included():
+    ghosts = Ghosts()
+    ghosts.add(SimpleNamespace(key=bytes([k]) * 8, reads=0, nbytes=10 * k) for k in (1, 2, 3))
+    assert ghosts.came_back(bytes([2]) * 8) and ghosts.came_back(bytes([3]) * 8)
+    hits = ghosts.take()
+    assert (hits.bytes, hits.depth) == (50, 50)  # key 2: itself (20) and key 3 (30)
+    ghosts.add([SimpleNamespace(key=bytes([4]) * 8, reads=1, nbytes=5)])
+    assert ghosts.came_back(bytes([1]) * 8)  # 10 + 20 + 30 + 5 went since it did
+    assert ghosts.take().depth == 65
+
+
 def test_an_entry_back_from_its_ghost_counts_as_seen_twice_as_in_arc():
     m = cache(budget=40)
     store(m, SYSTEM)
@@ -120,6 +132,27 @@ def test_the_budget_grows_while_ghosts_come_back_within_its_bounds_and_free_memo
     store(m2, SYSTEM), m2.set_budget(0), m2.set_budget(400), store(m2, SYSTEM)
     assert t2.tick(available=2 * GB, total=128 * GB) == []
     assert m2.budget_bytes == 400
+
+
+def test_one_look_grows_the_budget_to_what_would_have_kept_every_ghost_that_came_back():
+    """A ghost's depth (the bytes evicted after it went, its own included) is how much more
+    budget would have kept it: the first look its ghosts come back in sizes the budget to
+    the working set, where growing by what came back would take several."""
+    m = cache(budget=400)  # forty 10-byte blocks
+    t = tuner(m, 400, floor=1 * GB, ram_max=1000)
+    prompts = [list(range(2000 + 16 * i, 2016 + 16 * i)) for i in range(15)]  # 600 bytes
+    for p in prompts:
+        store(m, p)  # the first five prompts (200 bytes) evicted, in order
+    store(m, prompts[0])  # 40 bytes come back; its first block went 200 bytes ago
+    (change,) = t.tick(available=64 * GB, total=128 * GB)
+    # Grown by the depth (200), not by what came back (40) nor by a step (100).
+    assert (change.setting, change.before, change.after) == ("cache.ram.budget", 400, 600)
+    assert "the deepest after" in change.reason
+    # At 600 bytes the whole working set stays: a pass over it evicts nothing more.
+    evicted = m.stats().evicted_bytes
+    for p in prompts:
+        store(m, p)
+    assert m.stats().evicted_bytes == evicted
 
 
 def test_memory_goes_back_after_quiet_looks_never_below_the_configured_budget():

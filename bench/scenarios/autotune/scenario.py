@@ -166,7 +166,11 @@ def run_trace(settings: Settings, model: ModelSpec, plan: Plan) -> ScenarioResul
 
 
 def play(h: Harness, config: Config, trace: workload.Trace) -> Run:
-    """The trace's calls in order; after each, the tuned run reads its budget and policy."""
+    """The trace's calls in order; after each, the tuned run reads its budget and policy.
+
+    Every run reads its stats after each request, as the tuned one must: a stats read
+    costs the server a little time (the diagnosis, the tiers' figures), and only the same
+    load leaves the runs' TTFTs comparable."""
     run = Run(config)
     with serving(h, config, trace.name) as server:
         for i, call in enumerate(trace.calls):
@@ -175,8 +179,9 @@ def play(h: Harness, config: Config, trace: workload.Trace) -> Run:
             sample.server = config.key
             h.progress(f"{trace.name} {config.key} {i + 1}/{len(trace.calls)}", config.key,
                        sample)  # fmt: skip
+            read = stats(server)
             if config.tuned:
-                _track(run, stats(server))
+                _track(run, read)
         last = stats(server)
     if config.tuned:
         _track(run, last, record=False)

@@ -2,7 +2,10 @@
 
 A key that comes back into RAM (computed again, or read back from a tier below) while its
 ghost is here was evicted too soon: a larger budget would have kept it. Whether it had
-been read before it went says which policy would have: a ghost of an entry read again
+been read before it went says which policy would have, and the bytes evicted after it
+went say how much larger (its stack distance, as Mattson's miss-ratio curves count it: a
+recency order that keeps one more byte per byte of budget would have kept it exactly when
+the budget exceeds it by that much). A ghost of an entry read again
 (frequent) asks to protect such entries longer, one of an entry never read (recent) asks
 for plain recency, as ARC adapts its lists. As in ARC, an entry back from its ghost has
 been seen twice: it comes back counted as read (manager.py), so if it goes and comes back
@@ -29,6 +32,9 @@ class GhostHits:
     recent_bytes: int = 0
     frequent: int = 0
     frequent_bytes: int = 0
+    # The most bytes evicted after any of them went, its own included: a budget larger by
+    # this would have kept every one (under plain recency).
+    depth: int = 0
 
     @property
     def bytes(self) -> int:
@@ -40,8 +46,10 @@ class Ghosts:
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self._half = max(capacity // 2, 1)
-        self._new: dict[int, tuple[bool, int]] = {}  # short key -> (was read, bytes)
-        self._old: dict[int, tuple[bool, int]] = {}
+        # short key -> (was read, bytes, evicted bytes in all once it went)
+        self._new: dict[int, tuple[bool, int, int]] = {}
+        self._old: dict[int, tuple[bool, int, int]] = {}
+        self._evicted = 0  # bytes evicted in all, the clock each ghost's depth is read on
         self._hits = GhostHits()
 
     def add(self, entries: Iterable[Any]) -> None:
@@ -49,7 +57,8 @@ class Ghosts:
         for e in entries:
             short = int.from_bytes(e.key[:8], "little")
             self._old.pop(short, None)
-            self._new[short] = (e.reads > 0, e.nbytes)
+            self._evicted += e.nbytes
+            self._new[short] = (e.reads > 0, e.nbytes, self._evicted)
             if len(self._new) >= self._half:
                 self._old, self._new = self._new, {}
 
@@ -59,7 +68,8 @@ class Ghosts:
         ghost = self._new.pop(short, None) or self._old.pop(short, None)
         if ghost is None:
             return False
-        read, nbytes = ghost
+        read, nbytes, at = ghost
+        self._hits.depth = max(self._hits.depth, self._evicted - at + nbytes)
         if read:
             self._hits.frequent += 1
             self._hits.frequent_bytes += nbytes
