@@ -123,6 +123,7 @@ class CacheSession:
         self.job = job
         self.tiers = owner.tiers
         self.bs = owner.policy.block_size
+        self._checkpointed_at: int | None = None  # where this request stored its last one
         tenant = job.request.tenant
         # Hashed once here; every tier and every save point works on these hashes.
         self.chain = Chain(job.prompt.tokens, self.bs, owner.extra_keys(tenant))
@@ -339,6 +340,7 @@ class CacheSession:
             real = not self.job.request.prefill_only
             self.tiers.store_checkpoint(self.chain, self.scope, position, payload, reason, real)
             stored = (self.chain.checkpoint_key(position), position)
+            self._checkpointed_at = position
         self._note(position // self.bs, stored)
 
     def _note(self, blocks: int, checkpoint: tuple[bytes, int] | None) -> None:
@@ -386,6 +388,8 @@ class CacheSession:
             return None
         if position % self.bs == 0 and not snapshots:
             return None  # the blocks already hold everything a paged model needs
+        if point is SavePoint.PROMPT_END and position == self._checkpointed_at:
+            return None  # the prompt ends at a save point (the last chunk starts there)
         if point is SavePoint.PROMPT_END and snapshots and self.job.prompt.reply_opens_at:
             # The next turn leaves this prompt where its reply opened <think>, a token or two
             # back, and keeps that checkpoint. One here would supersede it, and would serve

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -42,6 +41,7 @@ from ..types import GenerationRequest, GenerationResult, PromptInfo, conversatio
 from .decoding import Decoding
 from .fair_queue import FairQueue
 from .jobs import CacheSession, Event, Failed, Job, Pending
+from .sampling import sample_rows
 from .sequence import Seq
 from .speculation.control import Mode, Speculation, new_drafter
 from .speculation.mtp import MTPDrafter
@@ -195,6 +195,7 @@ class Runner(Decoding):
         worked |= self._admit()
         flush()  # what admission learned (the cache hit) goes out before the prefill
         worked |= self._prefill(self.scheduler.settings.prefill_chunk)
+        flush()  # a first token the last chunk sampled goes out before the next step
         worked |= self._decode()
         flush()
         return worked
@@ -287,10 +288,15 @@ class Runner(Decoding):
             else:
                 seq.cache = kv.make_prompt_cache(self.loaded.model)
             seq.cached = seq.position
-            seq.stops = deque(self._prefill_stops(seq))
             seq.spec = self._speculation(job) if kv.can_rewind(seq.cache) else None
             drafter = seq.spec.drafter if seq.spec is not None else None
             seq.mtp = drafter if isinstance(drafter, MTPDrafter) else None
+            # The last chunk samples the first token, but where an MTP head is primed
+            # along the prompt or image features are fed (their own passes), and for a
+            # warm-up, which generates nothing.
+            plain = seq.mtp is None and job.prompt.vision is None and not req.prefill_only
+            points = seq.session.stop_points() if seq.session is not None else ()
+            seq.plan_prefill(self.scheduler.settings.prefill_chunk, points, sample=plain)
         except BaseException as e:  # surfaced on the event loop, not lost in the thread
             log.exception("[%s] restore failed", req.request_id)
             pending.emit(Failed(e))
@@ -322,18 +328,6 @@ class Runner(Decoding):
         drafter = new_drafter(settings, job.prompt.tokens, self.loaded)
         return Speculation(drafter, settings) if drafter is not None else None
 
-    def _prefill_stops(self, seq: Seq) -> list[int]:
-        """Chunk ends for prefilling all but the last prompt token (whose logits the first
-        decode step computes): multiples of the chunk size plus the cache's save points."""
-        start, end = seq.position, len(seq.tokens) - 1
-        chunk = self.scheduler.settings.prefill_chunk
-        stops = set(range((start // chunk + 1) * chunk, end, chunk))
-        if seq.session is not None:
-            stops.update(p for p in seq.session.stop_points() if start < p < end)
-        if end > start:
-            stops.add(end)
-        return sorted(stops)
-
     def _prefill(self, budget: int) -> bool:
         spent = 0
         model = self.loaded.model
@@ -345,13 +339,16 @@ class Runner(Decoding):
             request_id.set(seq.job.request.request_id or "-")
             end = seq.stops.popleft()
             t0 = time.perf_counter()
+            first = None
             try:
                 head = seq.mtp
                 if seq.job.prompt.vision is not None:
                     # The model sees real ids and image features, the cache keyed ids.
                     model.prefill(seq.job.prompt.vision, seq.position, end, seq.cache)
                 elif head is None:
-                    model(mx.array(seq.tokens[seq.position : end])[None], cache=seq.cache)
+                    logits = model(mx.array(seq.tokens[seq.position : end])[None], cache=seq.cache)
+                    if end == len(seq.tokens):  # the last chunk: the first token, no decode step
+                        first = sample_rows(logits[:, -1, :], [seq.sampler], [seq.history])
                 else:
                     # Prime the head along the prompt: each position's hidden state with
                     # the token after it (the chunk ends before the last prompt token);
@@ -360,7 +357,8 @@ class Runner(Decoding):
                                            seq.cache)  # fmt: skip
                     head.feed(hidden, seq.tokens[seq.position + 1 : end + 1], at=seq.position,
                               draft=not seq.stops)  # fmt: skip
-                mx.eval([c.state for c in seq.cache], head.state if head is not None else [])
+                mx.eval([c.state for c in seq.cache], head.state if head is not None else [],
+                        first if first is not None else [])  # fmt: skip
                 dt = time.perf_counter() - t0
                 self.scheduler.stats.prefill_s += dt
                 self.scheduler.stats.prefill_tokens += end - seq.position
@@ -370,21 +368,27 @@ class Runner(Decoding):
                 seq.position = end
                 if seq.session is not None:
                     seq.session.save(seq.cache, seq.tokens, end, SavePoint.PREFILL)
+                    if end == seq.prompt_end:  # the last chunk starts here: as a prompt's end
+                        seq.session.save(seq.cache, seq.tokens, end, SavePoint.PROMPT_END)
+                if first is not None:
+                    first = int(first.item())
             except BaseException as e:
                 self.prefilling.remove(seq)
                 self._fail(seq, e)
                 continue
             if not seq.stops:
-                self._end_prefill(seq)
+                self._end_prefill(seq, first)
         return spent > 0
 
-    def _end_prefill(self, seq: Seq) -> None:
+    def _end_prefill(self, seq: Seq, first: int | None = None) -> None:
+        """The prompt is in the cache: save its end, take the first token when the last
+        chunk sampled it, and join the batch."""
         self.prefilling.remove(seq)
         if seq.job.halt.is_set():
             self._close(seq, save=False)
             return
         try:
-            if seq.session is not None:
+            if seq.session is not None and seq.prompt_end is None:
                 seq.session.save(seq.cache, seq.tokens, seq.position, SavePoint.PROMPT_END)
             if seq.job.request.prefill_only:  # a warm-up: stored, and nothing to generate
                 seq.finish = "length"
@@ -394,6 +398,9 @@ class Runner(Decoding):
                 self.bytes_per_token = max(
                     self.bytes_per_token, kv.live_nbytes(seq.cache) / seq.position
                 )
+            if first is not None and seq.accept(first):
+                self._close(seq, save=True)  # finished on its first token
+                return
             self._settle()
             self.batch.join(seq.cache)
         except BaseException as e:

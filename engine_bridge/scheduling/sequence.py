@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from ..types import CacheSource, FinishReason, GenerationResult, TokenEvent
@@ -14,6 +15,10 @@ from .speculation.control import Speculation
 from .speculation.mtp import MTPDrafter
 
 _admissions = itertools.count()
+# A save point this close to the prompt's end starts its last chunk, which samples the
+# first token (Qwen3.6's reasoning opener two tokens back, a generation prompt's start):
+# one model pass fewer than a chunk to there, one to the last token and a decode step.
+LAST_CHUNK_MAX = 8
 
 
 # --- one request on the MLX thread ---------------------------------------------------------
@@ -33,6 +38,9 @@ class Seq:
         self.cached = 0
         self.source: CacheSource = "none"
         self.stops: deque[int] = deque()
+        # Where the last chunk starts when it samples the first token (plan_prefill): the
+        # prompt's end for its save, the last token or a save point just before it.
+        self.prompt_end: int | None = None
         self.out: list[int] = []
         if job.rule is not None:
             job.rule.out = self.out  # the rule reads the output as it grows
@@ -53,6 +61,12 @@ class Seq:
         # Its drafter when that is an MTP head, which the runner feeds every committed
         # position's hidden state (runner.py `_prefill`, decoding.py `_launch`, `_verify`).
         self.mtp: MTPDrafter | None = None
+
+    def plan_prefill(self, chunk: int, points: Sequence[int], sample: bool) -> None:
+        """Its chunk ends from where the cache left it (`prefill_plan`)."""
+        stops, self.prompt_end = prefill_plan(self.position, len(self.tokens), chunk, points,
+                                              sample)  # fmt: skip
+        self.stops = deque(stops)
 
     @property
     def tokens(self) -> list[int]:
@@ -118,6 +132,32 @@ class Seq:
             prefill_s=self.prefill_s,
             prefilled_tokens=self.prefilled,
         )
+
+
+def prefill_plan(
+    start: int, n: int, chunk: int, points: Sequence[int], sample: bool
+) -> tuple[list[int], int | None]:
+    """The chunk ends of an `n`-token prompt prefilled from `start`: multiples of `chunk`
+    and the cache's save `points`, then the prompt's end; and where the prompt's end is
+    saved, when the last chunk samples the first token.
+
+    With `sample`, the last chunk runs to the very end and samples the first token from
+    its last position, so no decode step of its own comes before the first token. It
+    starts at the last save point within LAST_CHUNK_MAX of the end (or where the cache left
+    it, if that is as close), saved as the prompt's end, else at the last token (a pass of one token, as a decode step is). Without, the
+    prefill stops before the last token, whose logits the first decode step computes.
+    """
+    last = n - 1
+    ends = set(range((start // chunk + 1) * chunk, last, chunk))
+    ends.update(p for p in points if start < p < last)
+    if not sample:
+        return sorted(ends | ({last} if last > start else set())), None
+    # The start counts: restored at a save point close to the end, one chunk runs from it.
+    prompt_end = max((p for p in ends | {start} if p >= n - LAST_CHUNK_MAX), default=last)
+    before = {p for p in ends if p < prompt_end}
+    if prompt_end > start:
+        before.add(prompt_end)
+    return sorted(before | {n}), prompt_end
 
 
 class StopMatcher:
