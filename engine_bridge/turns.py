@@ -4,13 +4,15 @@ Before rendering, a chat request gets the template kwargs its model's template k
 history with (`preserve_thinking`, unless the request or its settings say otherwise) and
 the reasoning a client dropped from its earlier assistant turns. After a turn, the
 reasoning it generated is remembered, and when it ended with an answer the next
-question's prefix is offered for warming ahead (`warm_ahead.py`).
+question's prefix is offered for warming ahead (`warm_ahead.py`), rendered only once the
+machine is idle.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +26,7 @@ from .warm_ahead import WarmAhead, WarmOffer
 if TYPE_CHECKING:
     from .engine_settings import EngineSettings
     from .models.loading import LoadedModel
+    from .prompting.render import RenderedPrompt
     from .scheduling.jobs import Job
 
 log = logging.getLogger("engine_bridge.turns")
@@ -112,7 +115,8 @@ class Turns:
                 return  # a tool result comes next, which no template rewrites history for
             if not self.warm_ahead.settings.enabled:
                 return
-            prefix = next_turn.next_question_prefix(
+            prefix = functools.partial(
+                next_turn.next_question_prefix,
                 loaded.tokenizer,
                 req.messages or [],
                 reply.message(),
@@ -124,14 +128,15 @@ class Turns:
         except Exception:  # a follow-up must never fail what it follows
             log.exception("[%s] reading the finished turn failed", req.request_id)
             return
-        if prefix is None:
-            log.debug(
-                "[%s] the next question starts inside a token: nothing to warm", req.request_id
-            )
-            return
-        offer = WarmOffer(req.model, req.tenant, req.session, prefix, lane=lane(req))
-        assert self.loop is not None
-        self.loop.call_soon_threadsafe(self.warm_ahead.offer, offer)
+        loop, pool = self.loop, self._pool
+        assert loop is not None
+
+        async def render() -> RenderedPrompt | None:
+            # On this thread too, once the warm-up is due (warm_ahead.py): renders share it.
+            return await loop.run_in_executor(pool, prefix)
+
+        offer = WarmOffer(req.model, req.tenant, req.session, render, lane=lane(req))
+        loop.call_soon_threadsafe(self.warm_ahead.offer, offer)
 
     def _learn_layout(self, loaded: LoadedModel, job: Job, reply, out: list[int]) -> None:
         """Once per model: which layout of a turn's reasoning renders what it generated."""

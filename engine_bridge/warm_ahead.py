@@ -2,11 +2,16 @@
 
 A template that drops earlier reasoning without a flag to keep it re-renders the whole
 last task once a new question comes, and the prompt leaves the cache at the task's first
-assistant turn. When a turn ends with an answer (no call), the engine renders the prefix
-the next question will have (`prompting/next_turn.py`) and offers it here. While the
-machine has had no request for a second, the newest offer is prefilled and stored like a warm-up
-(`prefill_only`); any request that starts preempts it at the next scheduler step, and what
-it had stored stays. Bounded by sessions waiting, prefilled tokens per minute and RAM.
+assistant turn. When a turn ends with an answer (no call), the engine offers here how to
+render the prefix the next question will have (`prompting/next_turn.py`). Once the machine
+has had no request for a second, the newest offer is rendered, then prefilled and stored
+like a warm-up (`prefill_only`); any request that starts preempts it at the next scheduler
+step, and what it had stored stays. Bounded by sessions waiting, prefilled tokens per
+minute and RAM.
+
+The render waits for the idle second too: it renders the whole conversation on the
+engine's one tokenize thread, and an agent's next request, which comes at once, would wait
+behind it for its own render (tens of milliseconds on a long session, on every turn).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,7 +39,7 @@ IDLE_POLL_S = 0.05
 
 @dataclass(slots=True)
 class WarmAheadStats:
-    offered: int = 0  # turns that ended with an answer and left a prefix to warm
+    offered: int = 0  # turns that ended with an answer: a prefix to warm
     warmed: int = 0  # warm-ups that stored their whole prefix
     tokens: int = 0  # tokens prefilled ahead (preempted ones included)
     already_cached: int = 0  # offers the cache held already (append-only history)
@@ -49,10 +55,13 @@ class WarmOffer:
     model: str
     tenant: str
     session: str
-    prompt: RenderedPrompt
+    # Renders the next question's prefix (None: it starts inside a token, nothing to warm),
+    # called once the warm-up is due; `prompt` keeps it for a retry after a preemption.
+    render: Callable[[], Awaitable[RenderedPrompt | None]]
     # What tells the session's offers apart: its id, else its conversation.
     lane: str = ""
     tries: int = 0
+    prompt: RenderedPrompt | None = None
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -189,6 +198,13 @@ class WarmAhead:
         self._offers.move_to_end(key, last=False)  # behind offers not yet tried
 
     async def _warm(self, offer: WarmOffer) -> None:
+        if offer.prompt is None:
+            offer.prompt = await offer.render()
+        if offer.prompt is None:
+            log.debug("the next question of session %r starts inside a token: nothing to warm",
+                      offer.session)  # fmt: skip
+            self._stats.dropped += 1
+            return
         self._seq += 1
         req = GenerationRequest(
             model=offer.model,
