@@ -227,12 +227,14 @@ def text(page: Page, selector: str) -> str:
     return page.inner_text(selector).strip()
 
 
-def chat(server: Server, content: str, session: str, system: str = "You are terse.") -> None:
+def chat(
+    server: Server, content: str, session: str, system: str = "You are terse.", max_tokens: int = 1
+) -> None:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
     client.chat.completions.create(
         model="demo-llama",
         messages=[{"role": "system", "content": system}, {"role": "user", "content": content}],
-        max_tokens=1,
+        max_tokens=max_tokens,
         temperature=0,
         extra_headers={"x-session-id": session},
     )
@@ -253,8 +255,9 @@ def test_numbers_change_after_a_request(live, page):
     assert page.locator("#alerts").is_hidden()  # none on before any request
     assert (text(page, "#requests"), text(page, "#hit-ratio")) == ("0", "–")
     prompt = "Tell me about prompt caches. " * 12
-    chat(live, prompt, "dash-numbers")
-    chat(live, prompt, "dash-numbers")
+    # Three tokens each: the prefill writes the first, decode steps the others.
+    chat(live, prompt, "dash-numbers", max_tokens=3)
+    chat(live, prompt, "dash-numbers", max_tokens=3)
     until(lambda: text(page, "#requests") == str(before + 2), "2 more requests", page)
     stats = api(live, "/v1/cache/stats")
     assert stats["requests"]["cached_tokens"] > 0
@@ -265,6 +268,7 @@ def test_numbers_change_after_a_request(live, page):
     )
     assert text(page, "#ram") != "0 B"
     # Decode speed in model steps: tokens per step (above 1 where speculation kept drafts).
+    assert stats["scheduler"]["decode_steps"] > 0
     assert text(page, "#spec") == f"{stats['scheduler']['tokens_per_step']:.2f}"
     assert f"of {stats['ssd']['max_bytes'] / 1e9:.1f} GB max" in text(page, "#ssd-detail")
     # The recent requests table, newest first, with why each one hit or missed.

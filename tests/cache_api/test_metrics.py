@@ -157,8 +157,9 @@ def test_counters_move_by_what_each_request_got_with_model_tenant_and_source(ser
         counted["cached_tokens", x.tenant, x.source] += x.cached_tokens
         ttft[x.source] += x.completion_tokens > 0
         restore[x.source] += x.cached_tokens > 0
-        # The last prompt token is computed by the first decode step, not by prefill.
-        prefill += x.prompt_tokens - 1 - x.cached_tokens > 0
+        # Every request computes at least its last prompt token, in the prefill's last
+        # chunk, which samples the first token.
+        prefill += x.prompt_tokens - x.cached_tokens > 0
     for (name, tenant, source), n in counted.items():
         got = delta(after, before, name + "_total", model=LLAMA, tenant=tenant, source=source)
         assert got == n, (name, tenant, source)
