@@ -7,8 +7,9 @@ Every `interval` (on the MLX thread, after the memory guard's check, which alway
   evicted after it went) says how much larger. While they keep coming (at least
   `MIN_GHOST_SHARE` of the budget a tick), the budget grows in one look to what would
   have kept them all: by the deepest ghost's depth, or by what came back, at least a step
-  (a quarter of the configured one); up to `ram_max` and only while the machine keeps
-  twice the guard's floor free after it (never toward swap). After `QUIET_TICKS` ticks without a ghost it gives a
+  (a quarter of the configured one), and by twice the last look's growth while looks in a
+  row see ghosts (a slow start); up to `ram_max` and only while the machine keeps twice the
+  guard's floor free after it (never toward swap). After `QUIET_TICKS` ticks without a ghost it gives a
   step back, never below the configured budget.
 - **Eviction policy.** `protect_frequent` (manager.py: the share of the budget entries read
   twice or more keep past eviction's turn) moves as ARC moves its target: ghosts of entries
@@ -88,6 +89,7 @@ class Autotune:
         self.diagnosis = diagnosis
         self.changes: deque[Change] = deque(maxlen=HISTORY)
         self._quiet = 0
+        self._grew = 0  # bytes the last look grew the budget by (0: it did not)
         self._ghosts = {"recent": 0, "frequent": 0, "came_back_bytes": 0}
 
     @property
@@ -164,16 +166,20 @@ class Autotune:
             # tenth of the machine without a guard): tuning never brings the guard on.
             keep = 2 * (self.guard.pressure.floor_bytes or total // 20)
             # What would have kept every ghost that came back (the deepest one's depth), or
-            # as much as came back, at least a step: a working set twice the budget is
-            # held from the first look its ghosts come back in, not after four.
-            grown = min(budget + max(step, ghost_bytes, depth), self.max_bytes,
-                        budget + max(available - keep, 0))  # fmt: skip
+            # as much as came back, at least a step; and twice the last look's growth when
+            # that one grew too: a ghost comes back only once its prompt's turn comes round,
+            # so the first looks see part of the working set, and doubling finds the rest
+            # in a look or two (a slow start), within ram_max and free memory.
+            want = max(step, ghost_bytes, depth, 2 * self._grew)
+            grown = min(budget + want, self.max_bytes, budget + max(available - keep, 0))
+            self._grew = max(grown - budget, 0)
             if grown <= budget:
                 return []
             why = (f"{_mb(ghost_bytes)} of evicted entries came back since the last look, "
                    f"the deepest after {_mb(depth)} more was evicted")  # fmt: skip
             return [self._set_budget(grown, why)]
         self._quiet += 1
+        self._grew = 0
         if self._quiet < QUIET_TICKS or budget <= base:
             return []
         self._quiet = 0

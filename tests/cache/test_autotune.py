@@ -122,7 +122,8 @@ def test_the_budget_grows_while_ghosts_come_back_within_its_bounds_and_free_memo
     changes = t.tick(available=64 * GB, total=128 * GB)
     assert [(c.setting, c.before, c.after) for c in changes] == [("cache.ram.budget", 400, 500)]
     assert "came back" in changes[0].reason and m.budget_bytes == 500
-    for expected in (600, 700, 700):  # ram_max caps it
+    # Ghosts again at the next looks: twice the last growth (a slow start); ram_max caps it.
+    for expected in (700, 700, 700):
         m.set_budget(0), m.set_budget(t.guard.target_bytes), store(m, SYSTEM)
         t.tick(available=64 * GB, total=128 * GB)
         assert t.guard.target_bytes == expected
@@ -153,6 +154,20 @@ def test_one_look_grows_the_budget_to_what_would_have_kept_every_ghost_that_came
     for p in prompts:
         store(m, p)
     assert m.stats().evicted_bytes == evicted
+
+
+def test_looks_in_a_row_with_ghosts_double_the_growth_and_a_quiet_one_ends_it():
+    m = cache(budget=400)
+    t = tuner(m, 400, floor=1 * GB, ram_max=4000)
+    store(m, SYSTEM)
+    grown = []
+    for look in range(4):
+        if look != 2:  # the third look sees no ghost
+            m.set_budget(0), m.set_budget(t.guard.target_bytes), store(m, SYSTEM)
+        t.tick(available=64 * GB, total=128 * GB)
+        grown.append(t.guard.target_bytes)
+    # +100 (a step), +200 (twice that), nothing, then a step again: the doubling restarts.
+    assert grown == [500, 700, 700, 800]
 
 
 def test_memory_goes_back_after_quiet_looks_never_below_the_configured_budget():
