@@ -9,8 +9,8 @@ Every `interval` (on the MLX thread, after the memory guard's check, which alway
   have kept them all: by the deepest ghost's depth, or by what came back, at least a step
   (a quarter of the configured one), and by twice the last look's growth while looks in a
   row see ghosts (a slow start); up to `ram_max` and only while the machine keeps twice the
-  guard's floor free after it (never toward swap). After `QUIET_TICKS` ticks without a ghost it gives a
-  step back, never below the configured budget.
+  guard's floor free after it (never toward swap). After `QUIET_TICKS` ticks without a
+  ghost it gives a step back, never below the configured budget.
 - **Eviction policy.** `protect_frequent` (manager.py: the share of the budget entries read
   twice or more keep past eviction's turn) moves as ARC moves its target: ghosts of entries
   that had been read push it up (frequency: a shared system prompt must survive a burst of

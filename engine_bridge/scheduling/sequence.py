@@ -144,8 +144,9 @@ def prefill_plan(
     With `sample`, the last chunk runs to the very end and samples the first token from
     its last position, so no decode step of its own comes before the first token. It
     starts at the last save point within LAST_CHUNK_MAX of the end (or where the cache left
-    it, if that is as close), saved as the prompt's end, else at the last token (a pass of one token, as a decode step is). Without, the
-    prefill stops before the last token, whose logits the first decode step computes.
+    it, if that is as close), saved as the prompt's end, else at the last token (a pass of
+    one token, as a decode step is). Without, the prefill stops before the last token,
+    whose logits the first decode step computes.
     """
     last = n - 1
     ends = set(range((start // chunk + 1) * chunk, last, chunk))
