@@ -333,17 +333,20 @@ class ModelLifecycle:
         periods = [self.settings.memory_check_s if guard else 0, idle_period,
                    tune.settings.interval_s if tune else 0]  # fmt: skip
         period = min(p for p in periods if p > 0)
-        last_idle_check = last_trim = last_tune = time.monotonic()
+        if tune is not None:  # ghosts that came back are asked about between its looks
+            period = min(period, tune.EARLY_S)
+        last_idle_check = last_trim = last_tune = last_check = time.monotonic()
         while True:
             await asyncio.sleep(period)
-            if guard:
+            if guard and time.monotonic() - last_check >= self.settings.memory_check_s:
+                last_check = time.monotonic()
                 # On the MLX thread: a shrink evicts, and a spill turns arrays into bytes,
                 # which MLX only does on the thread that owns their stream.
                 await self.scheduler.run(self.memory.check)
                 if time.monotonic() - last_trim >= HEAP_TRIM_S:
                     last_trim = time.monotonic()
                     await asyncio.to_thread(heap.trim)
-            if tune is not None and time.monotonic() - last_tune >= tune.settings.interval_s:
+            if tune is not None and tune.due(time.monotonic() - last_tune):
                 last_tune = time.monotonic()
                 # After the guard's own check, and on the MLX thread too (a give-back evicts).
                 await self.scheduler.run(tune.tick)

@@ -1,6 +1,8 @@
 """Tuning by load: the RAM budget and the eviction policy, from the RAM tier's ghost lists.
 
-Every `interval` (on the MLX thread, after the memory guard's check, which always wins):
+Every `interval`, and as soon as ghosts come back between two (the janitor asks every
+`EARLY_S`: in the requests a look waits out, eviction goes on taking what the ghosts say
+to keep), on the MLX thread, where the memory guard's pressure always wins:
 
 - **RAM budget.** Ghosts that came back (cache/ram/ghosts.py: entries evicted, then needed
   again) are what a larger budget would have kept, and each ghost's depth (the bytes
@@ -74,6 +76,8 @@ class Change:
 
 
 class Autotune:
+    EARLY_S = 0.25  # how often the janitor asks whether ghosts came back between looks
+
     def __init__(
         self,
         settings: AutotuneSettings,
@@ -99,6 +103,15 @@ class Autotune:
     @property
     def max_bytes(self) -> int:
         return self.settings.ram_max_bytes or 2 * self.base_bytes
+
+    def due(self, since_last: float) -> bool:
+        """Whether to look now: the interval has passed since the last look, or evicted
+        entries came back since it. Each request that waits out the interval then evicts
+        more of what the ghosts say the budget should keep."""
+        waiting = self.ram.ghost_bytes_waiting()
+        return since_last >= self.settings.interval_s or (
+            since_last >= self.EARLY_S and waiting >= MIN_GHOST_SHARE * self.guard.target_bytes
+        )
 
     def tick(
         self, available: int | None = None, total: int | None = None, now: float | None = None

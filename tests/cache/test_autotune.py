@@ -170,6 +170,19 @@ def test_looks_in_a_row_with_ghosts_double_the_growth_and_a_quiet_one_ends_it():
     assert grown == [500, 700, 700, 800]
 
 
+def test_a_look_is_due_at_the_interval_or_as_soon_as_ghosts_come_back():
+    m = cache(budget=400)
+    t = tuner(m, 400, floor=1 * GB)
+    interval = t.settings.interval_s
+    assert not t.due(interval / 2) and t.due(interval)
+    store(m, SYSTEM), m.set_budget(0), m.set_budget(400)
+    assert not t.due(interval / 2), "nothing came back yet"
+    store(m, SYSTEM)  # 40 bytes came back, 10% of the budget
+    assert t.due(t.EARLY_S) and not t.due(0.0)
+    t.tick(available=64 * GB, total=128 * GB)  # the look takes them
+    assert not t.due(t.EARLY_S)
+
+
 def test_memory_goes_back_after_quiet_looks_never_below_the_configured_budget():
     m = cache(budget=400)
     t = tuner(m, 400)
@@ -251,15 +264,16 @@ def projects(server, rounds: int) -> list[tuple[int, int]]:
             hits.append((reply.usage.prompt_tokens, int(headers["x-prompt-cache-hit-tokens"])))
             history[name] += [{"role": "assistant", "content": reply.choices[0].message.content},
                               {**FOLLOW_UP, "content": f"{FOLLOW_UP['content']} ({r})"}]  # fmt: skip
-        time.sleep(1.2)  # a look of the tuner between rounds
+        time.sleep(0.5)  # the tuner's early look between rounds (it asks every 0.25 s)
     return hits
 
 
 def test_a_server_grows_its_budget_while_evicted_blocks_come_back_and_answers_as_bypass(
     tmp_path, demo_root
 ):
+    # Its interval outlasts the test: each look is one ghosts that came back asked for.
     config = tmp_path / "tuned.toml"
-    config.write_text('[autotune]\ninterval = "1s"\n')
+    config.write_text('[autotune]\ninterval = "1h"\n')
     s = start_server(fresh_cache_dir(demo_root, tmp_path / "c"), "--config", str(config),
                      "--model", LLAMA, "--ram-budget", "300000",
                      "--upstream", "http://127.0.0.1:9", env=SSD_OFF)  # fmt: skip

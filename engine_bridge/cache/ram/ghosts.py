@@ -78,6 +78,11 @@ class Ghosts:
             self._hits.recent_bytes += nbytes
         return True
 
+    @property
+    def waiting_bytes(self) -> int:
+        """Bytes of the ghosts that came back since the last take."""
+        return self._hits.bytes
+
     def take(self) -> GhostHits:
         """The hits since the last take."""
         hits, self._hits = self._hits, GhostHits()

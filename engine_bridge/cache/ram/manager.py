@@ -331,6 +331,11 @@ class CacheManager:
         with self._lock:
             return self._ghosts.take()
 
+    def ghost_bytes_waiting(self) -> int:
+        """Bytes of evicted entries that came back since `ghost_hits` last took them."""
+        with self._lock:
+            return self._ghosts.waiting_bytes
+
     def add_reclaimer(self, reclaim: Reclaim) -> None:
         """Let a holder of charged bytes be asked for them when the budget shrinks."""
         with self._lock:
