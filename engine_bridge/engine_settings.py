@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .cache.shared.config import (
     BYTES_BUCKETS,
@@ -46,6 +46,11 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class AutotuneSettings:
     """`[autotune]`: the RAM budget and eviction policy tuned by load (ops/autotune.py)."""
+
+    # Where protect_frequent starts under tuning ([cache.ram] protect_frequent = "auto"):
+    # the middle, as ARC starts with no lean, so the first burst of one-off prompts meets a
+    # shared prefix already read twice protected, and what comes back leans it either way.
+    PROTECT_START: ClassVar[float] = 0.5
 
     enabled: bool = False  # the server's config turns it on ([autotune] enabled)
     ram_max_bytes: int | None = None  # None: twice the configured budget

@@ -79,7 +79,7 @@ def engine_settings(config: Config, rank: bool = False) -> EngineSettings:
         kv_memory_bytes=None
         if engine.kv_memory is None
         else resolve_kv_memory(engine.kv_memory, ram.total),
-        ram_protect_frequent=cache.ram.protect_frequent,
+        ram_protect_frequent=protect_frequent(config),
         autotune=AutotuneSettings(
             enabled=config.autotune.enabled,
             ram_max_bytes=None
@@ -126,6 +126,14 @@ def engine_settings(config: Config, rank: bool = False) -> EngineSettings:
             max_images=config.vision.max_images,
         ),
     )
+
+
+def protect_frequent(config: Config) -> float:
+    """[cache.ram] protect_frequent, "auto" resolved: where tuning starts it, or plain LRU."""
+    pf = config.cache.ram.protect_frequent
+    if pf != "auto":
+        return float(pf)
+    return AutotuneSettings.PROTECT_START if config.autotune.enabled else 0.0
 
 
 def proxy_settings(config: Config) -> ProxySettings:

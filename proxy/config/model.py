@@ -123,8 +123,9 @@ class RamCacheConfig:
     checkpoint_interval: int = 1024
     keep_periodic: bool = False
     # The share of the budget entries read twice or more keep past eviction's turn (0:
-    # plain LRU); [autotune] adapts it from here.
-    protect_frequent: float = 0.0
+    # plain LRU); [autotune] adapts it from here. "auto": 0 with [autotune] off, and with
+    # it on the middle of the range, for what comes back to lean it either way.
+    protect_frequent: str | float = "auto"
     # Memory pressure: when the system's available memory falls below this ("5%" of all
     # RAM, or a size), the RAM tier shrinks and spills to SSD; "off" turns the guard off.
     min_available: str | int = "5%"

@@ -150,7 +150,8 @@ def validate(config: Config, origins: Origins) -> None:
     parses("autotune.interval", parse_duration, t.interval)
     check("autotune.interval", parse_duration(t.interval) >= 1, "must be at least 1s")
     pf = c.ram.protect_frequent
-    check("cache.ram.protect_frequent", 0 <= pf <= 0.9, f"must be 0 to 0.9, got {pf}")
+    check("cache.ram.protect_frequent", pf == "auto" or 0 <= _number(pf, -1.0) <= 0.9,
+          f'must be "auto" or 0 to 0.9, got {pf!r}')  # fmt: skip
     a = config.alerts
     check("alerts.cause_share", 0 <= a.cause_share <= 1, f"must be 0 to 1, got {a.cause_share}")
     check("alerts.min_tokens", a.min_tokens >= 0, f"must be 0 or more, got {a.min_tokens}")
@@ -180,3 +181,11 @@ def validate(config: Config, origins: Origins) -> None:
             if role not in MESSAGE_ROLES:
                 raise key_error((*path, "roles"), origins, f"unknown role {role!r}")
     validate_model_settings(config.model, origins)
+
+
+def _number(value: str | float, default: float) -> float:
+    """`value` as a number (an environment variable spells one as a string), else `default`."""
+    try:
+        return float(value)
+    except ValueError:
+        return default

@@ -456,3 +456,27 @@ def test_serve_insecure_flag_sets_server_insecure():
     assert (c.server.host, c.server.insecure) == ("0.0.0.0", True)
     args = build_parser().parse_args(["serve"])
     assert load_config(None, {}, _overrides(args)).server.insecure is False
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "expected"),
+    [
+        ("", {}, 0.5),  # "auto" with [autotune] on, the default: the middle, as ARC starts
+        ("[autotune]\nenabled = false\n", {}, 0.0),  # "auto" with it off: plain LRU
+        ("[cache.ram]\nprotect_frequent = 0.2\n", {}, 0.2),
+        ("", {"MLX_PROMPT_CACHE_CACHE_RAM_PROTECT_FREQUENT": "0.3"}, 0.3),
+    ],
+)
+def test_protect_frequent_auto_starts_tuning_in_the_middle_and_is_lru_without_it(
+    tmp_path, toml, env, expected
+):
+    from proxy.wiring import engine_settings
+
+    c = load_config(write(tmp_path, toml), env, {})
+    assert engine_settings(c).ram_protect_frequent == expected
+
+
+@pytest.mark.parametrize("value", ['"often"', "0.95", "-0.1"])
+def test_a_bad_protect_frequent_names_the_key(tmp_path, value):
+    with pytest.raises(ConfigError, match=r"cache\.ram\.protect_frequent.*must be \"auto\" or 0"):
+        load_config(write(tmp_path, f"[cache.ram]\nprotect_frequent = {value}\n"), {}, {})
