@@ -99,6 +99,8 @@ class PromptSummary:
     past_turns: frozenset[int] = frozenset()
     head_messages: int = 0  # the leading system messages (the tools render with them)
     at: float = 0.0  # when the request arrived (monotonic seconds)
+    # Message starts with no save point: tool results' (render.py `resume_points`).
+    unsaved: frozenset[int] = frozenset()
 
     def message_at(self, token: int) -> int:
         """The message holding `token` (0 before the first known start)."""
@@ -113,7 +115,7 @@ class PromptSummary:
 
 def summarize(req: GenerationRequest, prompt_tokens: Sequence[int], out: Sequence[int],
               message_starts: Sequence[int], message_index: Sequence[int],
-              at: float = 0.0) -> PromptSummary:  # fmt: skip
+              at: float = 0.0, unsaved: frozenset[int] = frozenset()) -> PromptSummary:  # fmt: skip
     messages = req.messages or []
     # The cache holds the prompt plus every generated token but the last (never fed back).
     stored = array("i", prompt_tokens)
@@ -136,6 +138,7 @@ def summarize(req: GenerationRequest, prompt_tokens: Sequence[int], out: Sequenc
         past,
         n_head,
         at,
+        unsaved,
     )
 
 
@@ -208,7 +211,7 @@ def _possible(reach: int, prev: PromptSummary, report: LookupReport) -> int:
     a message start for snapshot models (checkpointed as prefill passes it)."""
     points = [p for p in prev.ends if p <= reach]
     if report.snapshots:
-        points += [p for p in prev.message_starts if p <= reach]
+        points += [p for p in prev.message_starts if p <= reach and p not in prev.unsaved]
     else:
         points.append(reach // report.block_size * report.block_size)
     return max(points, default=0)
@@ -280,7 +283,7 @@ class RequestLog:
         req, prompt = job.request, job.prompt
         report: LookupReport | None = getattr(seq.session, "lookup", None)
         cur = summarize(req, prompt.tokens, seq.out, prompt.message_starts,
-                        prompt.message_index, seq.start)  # fmt: skip
+                        prompt.message_index, seq.start, prompt.tool_starts)  # fmt: skip
         key = (req.tenant, req.model, req.session or _conversation(req))
         with self._lock:
             prev = self._sessions.get(key)

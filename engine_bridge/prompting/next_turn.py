@@ -100,4 +100,5 @@ def next_question_prefix(
         tokenizer.decode(tokens),
         [first.message_starts[i] for i in keep],
         [first.message_index[i] for i in keep],
+        tool_starts=first.tool_starts,
     )

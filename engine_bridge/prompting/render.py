@@ -43,13 +43,22 @@ class RenderedPrompt:
     # Token index where a closing user message's text starts when the message has no start
     # of its own (a template that rewrote the history before it): a checkpoint goes there.
     question_at: int | None = None
+    # The message starts of tool results: no save points (`resume_points`).
+    tool_starts: frozenset[int] = frozenset()
 
     @property
     def resume_points(self) -> list[int]:
         """Where a snapshot model checkpoints as prefill passes: message starts, the
-        closing question's text, where the generation prompt opens reasoning."""
+        closing question's text, where the generation prompt opens reasoning.
+
+        Not where a tool result starts. It follows the call that asked for it with nothing
+        between, so the turn that sent the call left a save point just before (the call's
+        own message start, or that turn's prompt end, where its reply opened), and each
+        point costs a prefill pass of its own (on a split model, a round of collectives)
+        and a checkpoint's RAM. Only an edit of the result itself resumes the shorter way,
+        and it then computes the call again: one assistant message."""
         extra = [p for p in (self.question_at, self.reply_opens_at) if p is not None]
-        return [*self.message_starts, *extra]
+        return [*(p for p in self.message_starts if p not in self.tool_starts), *extra]
 
     def message_at(self, token_index: int) -> int | None:
         """The index of the message that contains `token_index`, if known."""
@@ -112,7 +121,10 @@ def render_chat(
             index.append(i)
     question = _question_start(chat, text, ends, starts, index)
     opens = _reply_opens_at(tokenizer, text, ends) if chat else None
-    return RenderedPrompt(tokens, text, starts, index, reply_opens_at=opens, question_at=question)
+    tool = frozenset(s for s, i in zip(starts, index, strict=True)
+                     if i < len(chat) and chat[i]["role"] == "tool")  # fmt: skip
+    return RenderedPrompt(tokens, text, starts, index, reply_opens_at=opens,
+                          question_at=question, tool_starts=tool)  # fmt: skip
 
 
 def _question_start(

@@ -107,3 +107,47 @@ def test_the_next_turn_resumes_where_the_prompt_or_the_answer_ended(engine, mode
     assert r2.cached_tokens >= r1.prompt_tokens - LAST_CHUNK_MAX
     bypass, _ = loop.run(_run(e, replace(later, use_cache=False)))
     assert out == bypass
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["demo-hybrid", QWEN36])
+def test_a_tool_round_saves_no_point_where_its_result_starts_and_an_edit_still_resumes(
+    engine, model
+):
+    """A tool result follows the call that asked for it, whose turn left a save point just
+    before (its message start or that turn's prompt end): one at the result's start would
+    cost a prefill pass of its own, before the first token, on every tool round."""
+    from engine_bridge.prompting.render import render_chat
+    from engine_bridge.scheduling.sequence import prefill_plan
+    from engine_bridge.types import ToolCall
+
+    loop, e = engine
+    call = Message("assistant", "", tool_calls=(ToolCall("get_weather", {"city": "Porto"}),))
+    asked = [Message("system", "You answer briefly. " * 20),
+             Message("user", f"Weather in Porto? ({model})")]  # fmt: skip
+    first = GenerationRequest(model=model, messages=asked, tools=[WEATHER], max_tokens=4,
+                              sampling=Sampling(temperature=0.0))  # fmt: skip
+    _, r1 = loop.run(_run(e, first))
+    round_ = replace(first, messages=[*asked, call, Message("tool", "17C", tool_call_id="a")])
+    tokenizer = e.models.table.get(model).runner.loaded.tokenizer
+    rendered = render_chat(tokenizer, round_.messages, [WEATHER])
+    (tool_start,) = rendered.tool_starts
+    assert tool_start in rendered.message_starts and tool_start not in rendered.resume_points
+    assert rendered.message_starts[1] in rendered.resume_points  # the call's own start stays
+    out, r2 = loop.run(_run(e, round_))
+    assert r2.cached_tokens >= r1.prompt_tokens - LAST_CHUNK_MAX
+    # From where it resumed, the prefill stops only where the last chunk starts.
+    ends, _ = prefill_plan(r2.cached_tokens, r2.prompt_tokens, 512, rendered.resume_points,
+                           sample=True)  # fmt: skip
+    assert len(ends) <= 2, ends
+    assert out == loop.run(_run(e, replace(round_, use_cache=False)))[0]
+    # The client edits the result: it resumes no earlier than the call's turn left it.
+    edited = replace(round_, messages=[*round_.messages[:-1], Message("tool", "18C",
+                                                                      tool_call_id="a")])  # fmt: skip
+    out, r3 = loop.run(_run(e, edited))
+    assert r3.cached_tokens >= r1.prompt_tokens - LAST_CHUNK_MAX
+    assert out == loop.run(_run(e, replace(edited, use_cache=False)))[0]
