@@ -3,7 +3,8 @@
 `--ranks N` starts N ranks on this machine over loopback (the ring backend), for trying
 a split out and for tests; a hostfile (mlx.launch's JSON: each host's ssh name, its IPs
 for the ring backend, its RDMA devices for jaccl) starts one rank per host. MLX's own
-launcher does the rest: the ssh, the ports, each rank's environment.
+launcher does the rest: the ssh, the ports, each rank's environment (run through
+quiet_launch.py, which keeps its relay from spinning a core).
 
 It loads no MLX: the proxy's front process, which starts the ranks and relays to rank 0,
 imports it through `engine_bridge.offline`.
@@ -11,8 +12,8 @@ imports it through `engine_bridge.offline`.
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import shutil
 import socket
 import sys
 from collections.abc import Mapping
@@ -60,13 +61,12 @@ def hosts(hostfile: Path) -> list[dict]:
     return listed
 
 
-def launcher() -> str:
-    """The `mlx.launch` beside this Python (its venv), else the one on PATH."""
-    beside = Path(sys.executable).with_name("mlx.launch")
-    found = str(beside) if beside.is_file() else shutil.which("mlx.launch")
-    if found is None:
-        raise LaunchError("mlx.launch was not found: install mlx (it ships the launcher)")
-    return found
+def launcher() -> list[str]:
+    """MLX's launcher, run by this Python through quiet_launch.py: mlx.launch itself, with
+    its relay waiting for output instead of spinning a core."""
+    if importlib.util.find_spec("mlx") is None:
+        raise LaunchError("mlx is not installed: it ships the launcher (mlx.launch)")
+    return [sys.executable, "-m", "engine_bridge.distributed.quiet_launch"]
 
 
 def first_host_is_here(hostfile: Path) -> bool:
@@ -104,7 +104,7 @@ def command(ranks: Ranks, argv: list[str], env: Mapping[str, str] | None = None)
     for key, value in (env or {}).items():
         where += ["--env", f"{key}={value}"]
     return [
-        launcher(),
+        *launcher(),
         "--backend",
         str(ranks.backend),
         *where,

@@ -69,9 +69,10 @@ def test_distributed_is_skipped_before_it_starts_where_mlx_launch_is_missing(tmp
 def test_each_world_starts_with_its_ranks_and_split():
     model = ModelSpec("demo-hybrid", Path("/m/demo-hybrid"), is_demo=True)
     launcher = str(MLX_LAUNCH.where())
-    ours2, ours1, mlx_lm = worlds("pipeline")
-    assert [(w.key, w.kind, w.ranks) for w in (ours2, ours1, mlx_lm)] == [
-        ("ours", "ours", 2), ("ours_1rank", "ours", 1), ("mlx_lm", "mlx_lm", 2),
+    ours2, ours1, mlx_lm, quiet = worlds("pipeline")
+    assert [(w.key, w.kind, w.ranks, w.quiet) for w in (ours2, ours1, mlx_lm, quiet)] == [
+        ("ours", "ours", 2, False), ("ours_1rank", "ours", 1, False),
+        ("mlx_lm", "mlx_lm", 2, False), ("mlx_lm_quiet", "mlx_lm", 2, True),
     ]  # fmt: skip
     serve = [sys.executable, "-m", "proxy.cli", "serve", "--port", "8000", "--cache-dir", "/c",
              "--model", "demo-hybrid", "--upstream", "http://127.0.0.1:9"]  # fmt: skip
@@ -84,6 +85,12 @@ def test_each_world_starts_with_its_ranks_and_split():
                  "-m", "mlx_lm.server", "--model", "/m/demo-hybrid",
                  "--host", "127.0.0.1", "--port", "8000"]  # fmt: skip
     assert command(mlx_lm, model, 8000, 41000) == [*reference, "--pipeline"]
+    # The same world under the launcher ours starts its ranks with (quiet_launch.py).
+    assert command(quiet, model, 8000, 41000) == [
+        sys.executable, "-m", "engine_bridge.distributed.quiet_launch", *reference[1:],
+        "--pipeline",
+    ]  # fmt: skip
+    assert quiet.label == "mlx_lm.server, 2 ranks (pipeline), quiet launcher"
     tensor = World("mlx_lm", "mlx_lm", 2, "tensor")
     assert command(tensor, model, 8000, 41000) == reference
     assert tensor.label == "mlx_lm.server, 2 ranks (tensor)" and ours1.label.endswith("1 rank")
@@ -129,6 +136,7 @@ def test_the_rows_set_ours_on_two_ranks_against_mlx_lm_and_against_one_rank():
     result.samples += _samples("ours", [3.0, 0.2, 0.4], [0, 900, 900])
     result.samples += _samples("ours_1rank", [2.0, 0.1, 0.1], [0, 900, 900])
     result.samples += _samples("mlx_lm", [4.0, 0.6, 1.0], [None, None, None])
+    result.samples += _samples("mlx_lm_quiet", [3.0, 0.4, 0.8], [None, None, None])
     # The next turn after the restart: ours from the SSD, mlx_lm cold; neither counts warm.
     (restarted,) = _samples("ours", [0.5], [960], dist.RESTARTED)
     restarted.source = "ssd"
@@ -142,11 +150,19 @@ def test_the_rows_set_ours_on_two_ranks_against_mlx_lm_and_against_one_rank():
     assert result.rows[0].metric == dist.HEADLINE
     assert result.rows[0].values == pytest.approx({"ours": 0.3, "mlx_lm": 0.8})
     assert result.rows[0].ratios == pytest.approx({"mlx_lm / ours": 0.8 / 0.3})
+    quiet = rows[
+        "mean TTFT of warm agent turns (2..N), 2 ranks, mlx_lm.server under our launcher (s)"
+    ]
+    assert quiet.values == pytest.approx({"ours": 0.3, "mlx_lm": 0.6})
+    assert result.metrics["warm_ttft_mlx_lm_quiet_over_ours"] == pytest.approx(2.0)
     tool = rows["mean TTFT of warm turns: tool round (1), 2 ranks (s)"]
     assert tool.values == pytest.approx({"ours": 0.2, "mlx_lm": 0.6})
+    assert tool.ratios == pytest.approx(
+        {"mlx_lm / ours": 3.0, "mlx_lm under our launcher / ours": 2.0}
+    )
     assert tool.note == "hit ratio (cached / prompt tokens): ours 0.900, mlx_lm null"
     question = rows["mean TTFT of warm turns: new question (1), 2 ranks (s)"]
-    assert question.ratios == pytest.approx({"mlx_lm / ours": 2.5})
+    assert question.ratios["mlx_lm / ours"] == pytest.approx(2.5)
     assert result.metrics["warm_ttft_new_question_mlx_lm_over_ours"] == pytest.approx(2.5)
     assert not any("new session" in m for m in rows), "no warm turn of that kind"
     one = rows["mean TTFT of warm agent turns (2..N), ours on 1 rank (s)"]

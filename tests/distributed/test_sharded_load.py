@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
+import time
 from pathlib import Path
+
+import psutil
 
 import pytest
 
@@ -113,7 +117,37 @@ def test_the_launcher_refuses_what_cannot_start_a_world(tmp_path):
     good = tmp_path / "two.json"
     good.write_text(json.dumps([{"ssh": "mini-a", "ips": ["10.0.0.1"]}, {"ssh": "mini-b"}]))
     argv = command(Ranks(hostfile=good), ["-m", "x"])
-    assert argv[1:5] == ["--backend", "ring", "--hostfile", str(good)]
+    assert argv[:7] == [sys.executable, "-m", "engine_bridge.distributed.quiet_launch",
+                        "--backend", "ring", "--hostfile", str(good)]  # fmt: skip
     local = command(Ranks(count=2, port=40100), ["-m", "x"])
-    assert local[3:9] == ["-n", "2", "--hosts", "127.0.0.1", "--starting-port", "40100"]
+    assert local[5:11] == ["-n", "2", "--hosts", "127.0.0.1", "--starting-port", "40100"]
     assert argv[-3:] == ["--", "-m", "x"] and Ranks(hostfile=good).size() == 2
+
+
+def test_the_launcher_waits_for_its_ranks_output_where_mlx_launch_spins_a_core():
+    """mlx.launch's relay asks `select` whether each rank's stdin is writable with nothing
+    to write, so it never waits; ours (quiet_launch.py) asks only about output. Both start
+    the same two idle ranks side by side; the CPU each launcher used, not a time, counts."""
+    from engine_bridge.distributed.launch import launcher
+
+    idle = ["-c", "import time; print('up', flush=True); time.sleep(4)"]
+
+    def start(argv: list[str], port: int) -> subprocess.Popen:
+        where = ["--backend", "ring", "-n", "2", "--hosts", "127.0.0.1",
+                 "--starting-port", str(port), "--python", sys.executable, "--", *idle]  # fmt: skip
+        # stdin a pipe that stays open, as the supervisor gives it (see quiet_launch.py)
+        return subprocess.Popen([*argv, *where], cwd=REPO, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+
+    stock = start([str(Path(sys.executable).with_name("mlx.launch"))], free_ports(2))
+    quiet = start(launcher(), free_ports(2))
+    time.sleep(3)
+    used = {}
+    for name, proc in (("stock", stock), ("quiet", quiet)):
+        cpu = psutil.Process(proc.pid).cpu_times()
+        used[name] = cpu.user + cpu.system
+    for proc in (stock, quiet):
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and out.count(b"up") == 2, out  # output still relayed
+    # Start-up (imports) costs both alike; the stock relay then spins for seconds.
+    assert used["stock"] > 3 * used["quiet"], used

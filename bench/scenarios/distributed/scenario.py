@@ -1,9 +1,12 @@
 """The distributed scenario: the agent trace on demo-qwen36 split across two ranks.
 
-For each split (by heads, "tensor"; by layers, "pipeline") three servers get the same
+For each split (by heads, "tensor"; by layers, "pipeline") four servers get the same
 requests in one run, one after the other: ours on 2 ranks (`serve --ranks 2 --split MODE`),
 ours on 1 rank (plain `serve`), and mlx_lm.server's own distributed mode on 2 ranks
-(`mlx.launch ... mlx_lm.server [--pipeline]`). The requests are the agent scenario's trace:
+(`mlx.launch ... mlx_lm.server [--pipeline]`), as its users start it and again under the
+launcher ours runs (worlds.py: mlx.launch's relay spins a core; ours does not), so the
+launcher's share of the difference and the cache's are told apart. The requests are the
+agent scenario's trace:
 a coding-agent session of tool rounds with a new user request every fifth call, then a
 second session in the same project (Claude Code's billing header changes). The model is
 demo-qwen36: Qwen3.6-35B-A3B's layers, experts and real chat template, which drops every
@@ -40,7 +43,8 @@ MODEL = "demo-qwen36"
 REAL_TEMPLATE = "qwen3_6.jinja"
 MODES = ("tensor", "pipeline")
 RANKS = 2
-KEYS = ("ours", "ours_1rank", "mlx_lm")  # World.key of worlds(): 2 ranks, 1 rank, mlx_lm
+# World.key of worlds(): 2 ranks, 1 rank, mlx_lm under mlx.launch, and under our launcher
+KEYS = ("ours", "ours_1rank", "mlx_lm", "mlx_lm_quiet")
 # /v1/cache/stats gathers each rank's RAM figures when asked; each rank reads its SSD's
 # counts every second on a thread of its own (engine_bridge/distributed/figures.py), and
 # warming ahead may still store after the last turn: read the figures after a pause.
@@ -158,15 +162,16 @@ def run_split(
                 if world.kind == "ours":
                     held[world.key] = holdings(server, world)
                     h.progress(f"{mode}: cache RAM bytes by rank {held[world.key]}", world.key)
-                if world.ranks > 1:
+                if world.ranks > 1 and not world.quiet:  # its restart is as cold as mlx_lm's
                     after_restart(h, server, world, following, len(turns), sizes.max_tokens)
     result.metrics |= {"calls": len(turns), "max_tokens": sizes.max_tokens}
     summarize(result, held, next_turn, [turn_kind(c) for c in turns])
     result.notes.append(
         "ours gets the Anthropic request, mlx_lm.server the same call converted to OpenAI "
         "(traces.to_openai); the servers ran one at a time, in the order ours on 2 ranks, "
-        "ours on 1 rank, mlx_lm.server on 2 ranks; each 2-rank world was restarted after "
-        "its turns and sent the next turn"
+        "ours on 1 rank, mlx_lm.server on 2 ranks under mlx.launch, then under our "
+        "launcher; each 2-rank world but the last was restarted after its turns and sent "
+        "the next turn"
     )
     return result.finish()
 
@@ -313,6 +318,12 @@ def summarize(
             {"mlx_lm / ours": ratio(ttft["mlx_lm"], ttft["ours"])},
             note="every call but the first of the agent trace (tool rounds, new questions, "
             f"a second session); {TARGETS}"),
+        Row(f"mean TTFT of warm agent turns (2..N), {two}, mlx_lm.server under our launcher (s)",
+            {"ours": ttft["ours"], "mlx_lm": ttft["mlx_lm_quiet"]},
+            {"mlx_lm / ours": ratio(ttft["mlx_lm_quiet"], ttft["ours"])},
+            note="the same turns; mlx_lm.server's ranks started by quiet_launch.py, as ours "
+            "are, instead of mlx.launch, whose relay spins a core: what is left is the cache's "
+            "and the engine's share"),
         Row(f"mean TTFT of warm agent turns (2..N), {one} (s)", {"ours": ttft["ours_1rank"]},
             {vs_one: ratio(ttft["ours"], ttft["ours_1rank"])},
             note="the same server, the model whole in one process"),
@@ -320,6 +331,9 @@ def summarize(
             {"ours / mlx_lm": ratio(decode["ours"], decode["mlx_lm"])},
             note="tokens streamed after the first / seconds after the first token, over "
             "every turn"),
+        Row(f"decode tok/s, {two}, mlx_lm.server under our launcher",
+            {"ours": decode["ours"], "mlx_lm": decode["mlx_lm_quiet"]},
+            {"ours / mlx_lm": ratio(decode["ours"], decode["mlx_lm_quiet"])}),
         Row(f"decode tok/s, {one}", {"ours": decode["ours_1rank"]},
             {vs_one: ratio(decode["ours"], decode["ours_1rank"])}),
         Row(f"token hit ratio of warm turns (cached / prompt tokens), {two}",
@@ -331,6 +345,8 @@ def summarize(
     _holding_rows(result, held)
     result.metrics |= {
         "warm_ttft_mlx_lm_over_ours": ratio(ttft["mlx_lm"], ttft["ours"]),
+        "warm_ttft_mlx_lm_quiet_over_ours": ratio(ttft["mlx_lm_quiet"], ttft["ours"]),
+        "decode_ours_over_mlx_lm_quiet": ratio(decode["ours"], decode["mlx_lm_quiet"]),
         "warm_ttft_ours_2ranks_over_1rank": ratio(ttft["ours"], ttft["ours_1rank"]),
         "decode_ours_over_mlx_lm": ratio(decode["ours"], decode["mlx_lm"]),
         "decode_ours_2ranks_over_1rank": ratio(decode["ours"], decode["ours_1rank"]),
@@ -350,14 +366,16 @@ def _kind_rows(result: ScenarioResult, warm: dict[str, list[Sample]], kinds: Seq
     cache keeps up (a tool round appends to the last prompt on both) and where it does not."""
     for kind in (TOOL_ROUND, NEW_QUESTION, NEW_SESSION):
         of = {k: [s for s in warm[k] if s.step < len(kinds) and kinds[s.step] == kind]
-              for k in ("ours", "mlx_lm")}  # fmt: skip
+              for k in ("ours", "mlx_lm", "mlx_lm_quiet")}  # fmt: skip
         if not of["ours"]:
             continue
+        quiet = mean(s.ttft_s for s in of.pop("mlx_lm_quiet"))
         ttft = {k: mean(s.ttft_s for s in v) for k, v in of.items()}
         hits = {k: hit_ratio(v) for k, v in of.items()}
         result.rows.append(
             Row(f"mean TTFT of warm turns: {kind} ({len(of['ours'])}), {RANKS} ranks (s)", ttft,
-                {"mlx_lm / ours": ratio(ttft["mlx_lm"], ttft["ours"])},
+                {"mlx_lm / ours": ratio(ttft["mlx_lm"], ttft["ours"]),
+                 "mlx_lm under our launcher / ours": ratio(quiet, ttft["ours"])},
                 note="hit ratio (cached / prompt tokens): "
                 + ", ".join(f"{k} {_fmt(v)}" for k, v in hits.items()))
         )  # fmt: skip

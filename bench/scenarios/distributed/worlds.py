@@ -2,7 +2,9 @@
 
 Ours on two ranks is `serve --ranks 2`: a front process that starts both ranks through
 `mlx.launch` (in a process group of their own) and relays to rank 0. mlx_lm.server's own
-distributed mode is `mlx.launch ... -- -m mlx_lm.server`, whose rank 0 answers HTTP. Each
+distributed mode is `mlx.launch ... -- -m mlx_lm.server`, whose rank 0 answers HTTP, as its
+users start it; and again through the launcher ours runs (`quiet_launch.py`: mlx.launch,
+whose relay otherwise spins a core), to tell the launcher's share from the cache's. Each
 world starts in a session of its own and is stopped as a tree: a rank left behind would
 hold a CPU of a 2-core machine and every later number with it. A world can be restarted
 whole (`restart`): stopped cleanly, then started again on the same cache dir.
@@ -32,6 +34,8 @@ HOST = "127.0.0.1"
 STOP_TIMEOUT_S = 60.0
 # mlx_lm's pipeline split finds each layer's file in this index (mlx_lm.utils.sharded_load).
 INDEX = "model.safetensors.index.json"
+# The launcher ours starts its ranks with (engine_bridge/distributed/quiet_launch.py).
+QUIET_LAUNCH = [sys.executable, "-m", "engine_bridge.distributed.quiet_launch"]
 # Our proxy's environment variable for the first of the ranks' ring ports.
 RING_PORT_ENV = "MLX_PROMPT_CACHE_DISTRIBUTED_PORT"
 
@@ -44,19 +48,23 @@ class World:
     kind: Kind  # "ours" or "mlx_lm"
     ranks: int
     mode: str  # "tensor" (every rank its heads) or "pipeline" (every rank its layers)
+    # mlx_lm.server's launcher: mlx.launch as its users run it, or ours (QUIET_LAUNCH).
+    quiet: bool = False
 
     @property
     def label(self) -> str:
         split = f", {self.ranks} ranks ({self.mode})" if self.ranks > 1 else ", 1 rank"
-        return LABELS[self.kind] + split
+        return LABELS[self.kind] + split + (", quiet launcher" if self.quiet else "")
 
 
 def worlds(mode: str, ranks: int = 2) -> tuple[World, ...]:
-    """Ours split, ours whole, mlx_lm.server split: in the order they run."""
+    """Ours split, ours whole, mlx_lm.server split (under mlx.launch, then under our
+    launcher): in the order they run."""
     return (
         World("ours", "ours", ranks, mode),
         World("ours_1rank", "ours", 1, mode),
         World("mlx_lm", "mlx_lm", ranks, mode),
+        World("mlx_lm_quiet", "mlx_lm", ranks, mode, quiet=True),
     )
 
 
@@ -107,8 +115,9 @@ def command(
 ) -> list[str]:
     """The command line that starts `world` with its HTTP answer on `port`."""
     if world.kind == "mlx_lm":
+        launcher = QUIET_LAUNCH if world.quiet else [str(MLX_LAUNCH.where())]
         cmd = [
-            str(MLX_LAUNCH.where()), "--backend", "ring", "-n", str(world.ranks),
+            *launcher, "--backend", "ring", "-n", str(world.ranks),
             "--hosts", HOST, "--starting-port", str(ring_port), "--python", sys.executable,
             "--", "-m", "mlx_lm.server", "--model", str(model.path),
             "--host", HOST, "--port", str(port),
