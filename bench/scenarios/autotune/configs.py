@@ -2,7 +2,7 @@
 
 "tuned" is the server's defaults (`[autotune] enabled = true`): it grows the RAM budget
 from the configured one up to `[autotune] ram_max` and adapts `[cache.ram]
-protect_frequent`. Every other configuration has autotune off and holds its settings
+protect_frequent` from where "auto" starts it under tuning (0.5). Every other configuration has autotune off and holds its settings
 fixed: a sweep of budgets {1, 1.5, 2} x the configured one and protect_frequent {0, 0.5},
 never past the most memory the tuned run may take, so "best fixed" had no more RAM to use
 than tuned did. The sweep's first point (1x, 0: plain LRU at the same budget) is "default
@@ -12,6 +12,8 @@ fixed", the server as it was before autotune.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from engine_bridge.engine_settings import AutotuneSettings
 
 TUNED = "tuned"
 FACTORS = (1.0, 1.5, 2.0)
@@ -53,7 +55,7 @@ class Config:
 
 
 def tuned(budget_bytes: int) -> Config:
-    return Config(TUNED, budget_bytes, 0.0, tuned=True)
+    return Config(TUNED, budget_bytes, AutotuneSettings.PROTECT_START, tuned=True)
 
 
 def sweep(budget_bytes: int, cap_bytes: int) -> list[Config]:

@@ -291,7 +291,8 @@ def _tuning_rows(result: ScenarioResult, plan: Plan, tuned: Run, runs: list[Run]
             f"{_mb(cap)}; {n_budget} budget changes, {n_protect} protect_frequent changes"),
         Row("protect_frequent, autotune on, after the last request",
             {"ours": protect[-1] if protect else None},
-            note=f"from 0; lowest {_fmt(min(protect, default=None))}, highest "
+            note=f"from {tuned.config.protect_frequent:g}; lowest "
+            f"{_fmt(min(protect, default=None))}, highest "
             f"{_fmt(max(protect, default=None))} over the requests"),
         Row(SHRINKS_ROW, {"ours": tuned.shrinks},
             note=f"target 0; every configuration of this trace: {_fmt(every)}"),
