@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import psutil
-
 import pytest
 
 from engine_bridge.distributed.launch import LaunchError, Ranks, command
