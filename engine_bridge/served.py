@@ -192,8 +192,11 @@ class ModelLifecycle:
         self.preflight = Preflight(settings, scheduler, tiers)
         # The RAM budget and eviction policy tuned by load, after the guard (autotune.py).
         tuned = settings.autotune.enabled and settings.cache_enabled
+        # The checkpoint interval is tuned in one process only: a split model's ranks must
+        # stop their prefills at the same points, and each rank tunes on its own.
+        spaced = settings.cache_policy if (settings.world or ALONE).alone else None
         self.autotune = (
-            Autotune(settings.autotune, tiers, self.memory, diagnosis) if tuned else None
+            Autotune(settings.autotune, tiers, self.memory, diagnosis, spaced) if tuned else None
         )
         # Awaited before a model loads in-process, with what is about to load: the proxy
         # asks LM Studio to let go of its own copy of the same weights.

@@ -19,7 +19,11 @@ to keep), on the MLX thread, where the memory guard's pressure always wins:
   one-off prompts), ghosts of entries never read push it down (recency).
 - **Checkpoint spacing.** Where the diagnosis says hybrid models resumed short of where
   prompts diverged, each path's newest periodic checkpoint is kept ([cache.ram]
-  keep_periodic).
+  keep_periodic); where they still do, in requests after that change, periodic
+  checkpoints come closer ([cache.ram] checkpoint_interval): to the power of two at or
+  below the typical gap and at most half the interval, never under `SPACING_MIN`. Only
+  requests after a change count for the next, so each change is judged on its own. Not
+  on a model split across ranks, whose prefills must stop at the same points on each.
 - **SSD writes.** With a wear budget ([cache.ssd] max_write_per_day), a day whose writes
   are on course past it switches "through" to "second-use" (only what a later request
   reuses is written), and back once the course is under half of it.
@@ -32,6 +36,7 @@ changes what is kept, never what is computed: cached answers still equal bypass.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -44,7 +49,7 @@ from ..cache.write_policy import WritePolicy
 if TYPE_CHECKING:
     from ..cache.ram.manager import CacheManager
     from ..cache.tiers import TieredCache
-    from ..engine_settings import AutotuneSettings
+    from ..engine_settings import AutotuneSettings, CachePolicy
     from .diagnosis import Diagnosis
     from .memory import MemoryGuard
 
@@ -58,6 +63,7 @@ POLICY_MAX = 0.9
 # Checkpoint spacing: its share of the tokens computed again in the last window, and the
 # least tokens, before periodic checkpoints are kept.
 SPACING_SHARE, SPACING_TOKENS, SPACING_WINDOW_S = 0.1, 1024, 900.0
+SPACING_MIN = 256  # the closest periodic checkpoints tuning sets, in tokens
 HISTORY = 100
 
 
@@ -84,8 +90,11 @@ class Autotune:
         tiers: TieredCache,
         guard: MemoryGuard,
         diagnosis: Diagnosis | None = None,
+        policy: CachePolicy | None = None,  # whose checkpoint_interval it may set
     ):
         self.settings = settings
+        self.policy = policy
+        self._spaced_at = 0.0  # when checkpoint spacing last changed (unix seconds)
         self.tiers = tiers
         self.ram: CacheManager = tiers.ram
         self._eased_writes = False  # whether tuning chose second-use (it undoes only its own)
@@ -135,8 +144,9 @@ class Autotune:
                 self.ram.protect_frequent = p
         if not self.guard.pressure.active:  # the guard is shrinking the tier: it decides
             made += self._budget(hits.bytes, hits.depth, available, total)
-        made += self._spacing()
-        made += self._writes(time.time() if now is None else now)
+        now = time.time() if now is None else now
+        made += self._spacing(now)
+        made += self._writes(now)
         return made
 
     def _writes(self, now: float) -> list[Change]:
@@ -206,18 +216,33 @@ class Autotune:
         self.guard.pressure.budget_bytes = budget
         return change
 
-    def _spacing(self) -> list[Change]:
-        if self.diagnosis is None or self.ram.keep_newest_periodic:
+    def _spacing(self, now: float) -> list[Change]:
+        if self.diagnosis is None:
             return []
-        losses = self.diagnosis.losses(SPACING_WINDOW_S)
+        losses = self.diagnosis.losses(min(SPACING_WINDOW_S, now - self._spaced_at), now=now)
         computed = sum(x.computed for x in losses)
         spacing = sum(x.tokens.get("checkpoint_spacing", 0) for x in losses)
         if spacing < SPACING_TOKENS or spacing < SPACING_SHARE * computed:
             return []
-        self.ram.keep_newest_periodic = True
         why = (f"hybrid models resumed {spacing:,} tokens short of where prompts diverged "
                f"({spacing / computed:.0%} of the tokens computed again)")  # fmt: skip
-        return [self._change("cache.ram.keep_periodic", False, True, why)]
+        if not self.ram.keep_newest_periodic:
+            self.ram.keep_newest_periodic = True
+            self._spaced_at = now
+            return [self._change("cache.ram.keep_periodic", False, True, why)]
+        if self.policy is None:
+            return []
+        interval = self.policy.checkpoint_interval
+        gaps = [e.gap for x in losses if (e := x.evidence.get("checkpoint_spacing")) and e.gap]
+        typical = statistics.median(gaps) if gaps else interval / 2
+        closer = max(_pow2_at_or_below(min(typical, interval / 2)), SPACING_MIN,
+                     self.policy.block_size)  # fmt: skip
+        if closer >= interval:
+            return []
+        self.policy.checkpoint_interval = closer
+        self._spaced_at = now
+        why += f", typically {typical:,.0f} tokens short, with periodic checkpoints kept"
+        return [self._change("cache.ram.checkpoint_interval", interval, closer, why)]
 
     def _change(self, setting: str, before: Any, after: Any, why: str) -> Change:
         change = Change(time.time(), setting, before, after, why)
@@ -232,6 +257,7 @@ class Autotune:
             "ram_budget_bytes": self.guard.target_bytes,
             "protect_frequent": self.ram.protect_frequent,
             "keep_periodic": self.ram.keep_newest_periodic,
+            "checkpoint_interval": self.policy.checkpoint_interval if self.policy else None,
             "ssd_write_policy": str(w.policy)
             if (w := getattr(self.tiers, "writes", None))
             else None,
@@ -239,6 +265,7 @@ class Autotune:
                 "ram_min_bytes": self.base_bytes,
                 "ram_max_bytes": self.max_bytes,
                 "protect_frequent_max": POLICY_MAX,
+                "checkpoint_interval_min": SPACING_MIN if self.policy else None,
             },
             "ghost_hits": dict(self._ghosts),
             "changes": [c.to_json() for c in self.changes],
@@ -247,3 +274,7 @@ class Autotune:
 
 def _mb(n: Any) -> str:
     return f"{n / 1e6:.1f} MB" if isinstance(n, int) else str(n)
+
+
+def _pow2_at_or_below(n: float) -> int:
+    return 1 << max(int(n).bit_length() - 1, 0)

@@ -78,6 +78,7 @@ def context(settings: Any, tiers: Any, models: Any, keep_flags=None) -> Context:
     if pressure.available_bytes is not None and pressure.floor_bytes is not None:
         # Half of what the guard leaves: a budget that grows never pushes toward swap.
         room = max((pressure.available_bytes - pressure.floor_bytes) // 2, 0)
+    tuning = models.autotune_stats()
     return Context(
         ram_budget_bytes=ram.budget_bytes,
         ram_room_bytes=room,
@@ -89,12 +90,13 @@ def context(settings: Any, tiers: Any, models: Any, keep_flags=None) -> Context:
         session_ttl_s=settings.session_ttl_s,
         ssd_ttl_s=settings.ssd_ttl_s,
         checkpoint_interval=policy.checkpoint_interval,
-        keep_periodic=policy.keep_periodic,
+        # As tuning left it, where it kept periodic checkpoints (autotune.py).
+        keep_periodic=policy.keep_periodic or bool(tuning.get("keep_periodic")),
         block_size=policy.block_size,
         warm_ahead=bool(getattr(settings.warm_ahead, "enabled", False)),
         shared_down=_shared_down(shared),
         keep_flags=keep_flags or (lambda model: {}),
-        tuning=models.autotune_stats(),
+        tuning=tuning,
     )
 
 

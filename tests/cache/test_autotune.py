@@ -16,10 +16,10 @@ from engine_bridge.cache.ram import manager
 from engine_bridge.cache.ram.ghosts import Ghosts
 from engine_bridge.cache.ssd.wear import WearMeter
 from engine_bridge.cache.write_policy import WritePolicy
-from engine_bridge.engine_settings import AutotuneSettings, EngineSettings
+from engine_bridge.engine_settings import AutotuneSettings, CachePolicy, EngineSettings
 from engine_bridge.ops import autotune as tuning
 from engine_bridge.ops.autotune import Autotune
-from engine_bridge.ops.diagnosis import Ranked
+from engine_bridge.ops.diagnosis import Diagnosis, Evidence, Loss, Ranked
 from engine_bridge.ops.fixes import Context, fix
 from engine_bridge.ops.memory import MemoryGuard
 from tests.cache.test_cache_http import long_system
@@ -98,11 +98,13 @@ def test_an_entry_back_from_its_ghost_counts_as_seen_twice_as_in_arc():
     assert m.ghost_hits().recent == 4
 
 
-def tuner(m, budget: int, *, floor: int | None = None, ram_max: int | None = None) -> Autotune:
+def tuner(m, budget: int, *, floor: int | None = None, ram_max: int | None = None,
+          diagnosis: Diagnosis | None = None, policy: CachePolicy | None = None) -> Autotune:  # fmt: skip
     settings = EngineSettings(Path("/nonexistent"), ram_budget_bytes=budget,
                               ram_min_available_bytes=floor)  # fmt: skip
     tiers = _Tiers(m)
-    return Autotune(AutotuneSettings(True, ram_max), tiers, MemoryGuard(tiers, settings))
+    guard = MemoryGuard(tiers, settings)
+    return Autotune(AutotuneSettings(True, ram_max), tiers, guard, diagnosis, policy)
 
 
 class _Tiers:
@@ -212,7 +214,8 @@ def test_the_policy_leans_to_frequency_or_recency_by_what_came_back():
     stats = t.stats()
     assert stats["enabled"] and [c["setting"] for c in stats["changes"]][-1].endswith("frequent")
     assert stats["bounds"] == {"ram_min_bytes": 40, "ram_max_bytes": 40,
-                               "protect_frequent_max": tuning.POLICY_MAX}  # fmt: skip
+                               "protect_frequent_max": tuning.POLICY_MAX,
+                               "checkpoint_interval_min": None}  # fmt: skip
 
 
 def test_the_guard_under_pressure_holds_the_budget_whatever_comes_back():
@@ -221,6 +224,36 @@ def test_the_guard_under_pressure_holds_the_budget_whatever_comes_back():
     t.guard.pressure.active = True
     store(m, SYSTEM), m.set_budget(0), m.set_budget(400), store(m, SYSTEM)
     assert not [c for c in t.tick(64 * GB, 128 * GB) if c.setting == "cache.ram.budget"]
+
+
+def test_checkpoints_come_closer_while_hybrids_still_resume_short_never_on_a_split_model():
+    def resumed_short(d: Diagnosis, at: float, gap: int = 600) -> None:
+        """Five requests of 4,000 tokens that resumed `gap` tokens before they diverged."""
+        for _ in range(5):
+            d.add(Loss(at, "m", "t", "s", 4000, 3000, {"checkpoint_spacing": gap,
+                       "new_content": 1000 - gap}, {"checkpoint_spacing": Evidence(gap=gap)}))  # fmt: skip
+
+    for split in (False, True):
+        d, policy = Diagnosis(), CachePolicy(checkpoint_interval=1024)
+        t = tuner(cache(budget=400), 400, floor=1 * GB, diagnosis=d,
+                  policy=None if split else policy)  # fmt: skip
+        resumed_short(d, 990.0)  # 3,000 tokens short, 60% of what was computed again
+        spaced = []
+        for now in (1000.0, 1001.0, 1003.0, 1005.0, 1007.0):
+            if now > 1001:
+                resumed_short(d, now - 1)  # requests after the last change, still short
+            changes = t.tick(available=64 * GB, total=128 * GB, now=now)
+            spaced += [(c.setting, c.before, c.after) for c in changes if "periodic" in
+                       c.setting or "interval" in c.setting]  # fmt: skip
+        # First the newest periodic checkpoint is kept; nothing at 1001 (no request since);
+        # then the interval halves toward the gap (600 -> 512, then 256), never past 256.
+        expected = [("cache.ram.keep_periodic", False, True)]
+        if not split:
+            expected += [("cache.ram.checkpoint_interval", 1024, 512),
+                         ("cache.ram.checkpoint_interval", 512, 256)]  # fmt: skip
+        assert spaced == expected, split
+        assert policy.checkpoint_interval == (1024 if split else 256)
+        assert t.stats()["checkpoint_interval"] == (None if split else 256)
 
 
 def test_a_day_on_course_past_the_wear_budget_writes_only_what_is_reused(tmp_path):

@@ -109,6 +109,7 @@ def autotune_shown(page: Page) -> dict:
             value: text("autotune"), budget: text("autotune-budget"),
             budget_bar: bar("autotune-budget-meter"), protect: text("autotune-protect"),
             protect_bar: bar("autotune-protect-meter"), periodic: text("autotune-periodic"),
+            interval: text("autotune-interval"),
             ghosts: text("autotune-ghosts"),
             changes: [...card.querySelectorAll("#autotune-changes li")].map((li) => [
               li.dataset.setting, Number(li.dataset.time),
@@ -131,6 +132,8 @@ def autotune_wanted(auto: dict) -> dict:
         "protect": f"{js(auto['protect_frequent'])} (0 – {js(b['protect_frequent_max'])})",
         "protect_bar": [0, b["protect_frequent_max"], auto["protect_frequent"]],
         "periodic": js(auto["keep_periodic"]),
+        "interval": f"{auto['checkpoint_interval']:,} tokens "
+        f"(least {b['checkpoint_interval_min']:,})",
         "ghosts": f"{size(g['came_back_bytes'])}: {g['frequent']:,} entries read before, "
         f"{g['recent']:,} never read",
         "changes": [

@@ -1,6 +1,6 @@
 // The "Autotune" card (GET /v1/cache/stats `autotune`, engine_bridge/ops/autotune.py): the
 // RAM budget the tuner set, between the configured budget and `ram_max`; protect_frequent
-// against its ceiling; whether periodic checkpoints are kept; the evicted entries that came
+// against its ceiling; whether periodic checkpoints are kept, and how far apart; the evicted entries that came
 // back (what moves the budget); and its last changes, newest first, each with its reason.
 "use strict";
 
@@ -29,6 +29,10 @@ const Autotune = (() => {
     gauge("protect", a.protect_frequent, 0, b.protect_frequent_max,
       `${toml(a.protect_frequent)} (0 – ${toml(b.protect_frequent_max)})`);
     $("autotune-periodic").textContent = toml(a.keep_periodic);
+    // null on a model split across ranks, whose interval is not tuned
+    $("autotune-interval").textContent = a.checkpoint_interval == null
+      ? "fixed (split across ranks)"
+      : `${count(a.checkpoint_interval)} tokens (least ${count(b.checkpoint_interval_min)})`;
     const g = a.ghost_hits;
     $("autotune-ghosts").textContent =
       `${bytes(g.came_back_bytes)}: ${count(g.frequent)} entries read before, ${count(g.recent)} never read`;
