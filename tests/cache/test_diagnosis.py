@@ -239,6 +239,49 @@ def test_a_hybrid_model_with_sparse_checkpoints_is_named_with_a_closer_interval(
     assert tokens_of(after, "checkpoint_spacing") < cause["tokens"] / 2, after["causes"]
 
 
+def test_tuning_takes_checkpoints_closer_until_a_hybrid_resumes_near_where_it_diverged(
+    tmp_path, demo_root
+):
+    """The same sparse checkpoints with tuning on (its default): after the first sessions
+    the tuner keeps periodic checkpoints, then takes them closer, and a later session's
+    rewrites resume nearer the line they changed; answers stay those of a bypass."""
+    config = '[cache.ram]\ncheckpoint_interval = 4096\n\n[autotune]\ninterval = "1s"\n'
+    s = _server(demo_root, tmp_path, "hybrid-tuned", config, model=QWEN36)
+    client, document = oai(s, "t"), long_system(70)
+    short = []  # the tokens each turn resumed short of where it diverged
+    try:
+        for i in range(3):
+            history: list[dict] = []
+            for turn in range(2):  # each turn rewrites the reminder at the end
+                first = {"role": "user", "content": f"{document}\n<reminder>{i}.{turn}</reminder>"}
+                messages = [{"role": "system", "content": "You read documents."}, first, *history]
+                reply = client.chat.completions.create(
+                    model=QWEN36, messages=messages, max_tokens=4, temperature=0,
+                    extra_headers={"x-session-id": f"s{i}"},
+                ).choices[0].message.content  # fmt: skip
+                history = [{"role": "assistant", "content": reply}, FOLLOW_UP]
+                so_far = tokens_of(diagnosis(s), "checkpoint_spacing")
+                short.append(so_far - sum(short))
+            time.sleep(1.5)  # a look of the tuner
+        auto = httpx.get(s.url + "/v1/cache/stats", timeout=30).json()["autotune"]
+        bypass = client.chat.completions.create(
+            model=QWEN36, messages=messages, max_tokens=4, temperature=0,
+            extra_headers={"x-prompt-cache": "bypass"},
+        ).choices[0].message.content  # fmt: skip
+    finally:
+        s.stop()
+    assert bypass == reply
+    spacing = [(c["setting"], c["from"], c["to"]) for c in auto["changes"]
+               if c["setting"] in ("cache.ram.keep_periodic", "cache.ram.checkpoint_interval")]  # fmt: skip
+    assert spacing[0] == ("cache.ram.keep_periodic", False, True), auto["changes"]
+    closer = [to for setting, _, to in spacing[1:]]
+    assert closer and closer == sorted(closer, reverse=True) and 256 <= closer[-1] < 4096, spacing
+    assert auto["checkpoint_interval"] == closer[-1]
+    # The first session's rewrite resumed at the document's start; the last one's, past
+    # the periodic checkpoint its first turn took once tuning had brought them closer.
+    assert short[0] == 0 and short[-1] < short[1] / 2, short
+
+
 # --- a template that drops reasoning -------------------------------------------------------
 
 LOOKUP = {
