@@ -40,6 +40,7 @@ Path = tuple[str, ...]
 LEVELS = frozenset({
     "running", "prefilling", "waiting", "largest_batch", "blocks", "checkpoints", "entries",
     "queued", "held", "rewrites_pending", "feature_entries", "prepared_entries", "pending",
+    "checkpoint_interval", "checkpoint_interval_min",
 })  # fmt: skip
 COUNTERS = frozenset({"evicted_bytes", "freed_bytes", "came_back_bytes", "decode_s", "prefill_s"})
 LABELLED = {("requests", "by_source"): "source", ("shared", "errors"): "kind"}

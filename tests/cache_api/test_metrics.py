@@ -110,8 +110,10 @@ def server(demo_root, tmp_path_factory):
     cache_dir = fresh_cache_dir(demo_root, tmp_path_factory.mktemp("metrics-cache"))
     config = cache_dir / "config.toml"
     # Room for one conversation (6-7 blocks and its checkpoints), not two: a second
-    # conversation evicts the first from RAM, and the first comes back from SSD.
-    config.write_text(f'[cache.ram]\nbudget = "{10 * BLOCK_BYTES}"\n')
+    # conversation evicts the first from RAM, and the first comes back from SSD. Tuning
+    # runs (its counters are on /metrics) but may not grow the budget past that.
+    budget = 10 * BLOCK_BYTES
+    config.write_text(f'[cache.ram]\nbudget = "{budget}"\n\n[autotune]\nram_max = "{budget}"\n')
     s = start_server(cache_dir, "--config", str(config), "--upstream", "http://127.0.0.1:9")
     yield s
     s.stop()
