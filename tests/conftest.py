@@ -170,8 +170,8 @@ SLOWEST_FILES = (
     "tests/distributed/test_serve_ranks.py",  # 107
     "tests/prompting/test_tool_formats.py",  # 106
     "tests/prompting/test_agent_templates.py",  # 106
+    "tests/cache/test_diagnosis.py",  # 104
     "tests/cache/test_cache_equivalence.py",  # 91
-    "tests/cache/test_diagnosis.py",  # 84
     "tests/ssd/test_ssd_server.py",  # 70
     "tests/dialects/test_real_clients.py",  # 68
     "tests/ops/test_soak.py",  # 52
