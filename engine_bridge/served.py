@@ -190,11 +190,13 @@ class ModelLifecycle:
         self.sessions = sessions
         self.memory = MemoryGuard(tiers, settings)
         self.preflight = Preflight(settings, scheduler, tiers)
+        # Across ranks, a load runs on every rank at the same step (scheduling/lockstep.py).
+        self.world = settings.world or ALONE
         # The RAM budget and eviction policy tuned by load, after the guard (autotune.py).
         tuned = settings.autotune.enabled and settings.cache_enabled
         # The checkpoint interval is tuned in one process only: a split model's ranks must
         # stop their prefills at the same points, and each rank tunes on its own.
-        spaced = settings.cache_policy if (settings.world or ALONE).alone else None
+        spaced = settings.cache_policy if self.world.alone else None
         self.autotune = (
             Autotune(settings.autotune, tiers, self.memory, diagnosis, spaced) if tuned else None
         )
@@ -206,8 +208,6 @@ class ModelLifecycle:
         self._on_done = on_done
         # Awaited before idle models are unloaded to make room (a warm-up holds its model).
         self._before_room = before_room
-        # Across ranks, a load runs on every rank at the same step (scheduling/lockstep.py).
-        self.world = settings.world or ALONE
         scheduler.handlers["load"] = self._load_here
 
     def _load_here(self, ref: ModelRef) -> LoadedModel:

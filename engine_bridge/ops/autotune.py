@@ -36,7 +36,6 @@ changes what is kept, never what is computed: cached answers still equal bypass.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -45,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from ..cache.write_policy import WritePolicy
+from .fixes import closer_interval
 
 if TYPE_CHECKING:
     from ..cache.ram.manager import CacheManager
@@ -117,10 +117,10 @@ class Autotune:
         """Whether to look now: the interval has passed since the last look, or evicted
         entries came back since it. Each request that waits out the interval then evicts
         more of what the ghosts say the budget should keep."""
-        waiting = self.ram.ghost_bytes_waiting()
-        return since_last >= self.settings.interval_s or (
-            since_last >= self.EARLY_S and waiting >= MIN_GHOST_SHARE * self.guard.target_bytes
-        )
+        if since_last >= self.settings.interval_s:
+            return True
+        early = MIN_GHOST_SHARE * self.guard.target_bytes
+        return since_last >= self.EARLY_S and self.ram.ghost_bytes_waiting() >= early
 
     def tick(
         self, available: int | None = None, total: int | None = None, now: float | None = None
@@ -234,9 +234,8 @@ class Autotune:
             return []
         interval = self.policy.checkpoint_interval
         gaps = [e.gap for x in losses if (e := x.evidence.get("checkpoint_spacing")) and e.gap]
-        typical = statistics.median(gaps) if gaps else interval / 2
-        closer = max(_pow2_at_or_below(min(typical, interval / 2)), SPACING_MIN,
-                     self.policy.block_size)  # fmt: skip
+        closer, typical = closer_interval(gaps, interval, self.policy.block_size)
+        closer = max(closer, SPACING_MIN)
         if closer >= interval:
             return []
         self.policy.checkpoint_interval = closer
@@ -274,7 +273,3 @@ class Autotune:
 
 def _mb(n: Any) -> str:
     return f"{n / 1e6:.1f} MB" if isinstance(n, int) else str(n)
-
-
-def _pow2_at_or_below(n: float) -> int:
-    return 1 << max(int(n).bit_length() - 1, 0)

@@ -226,10 +226,18 @@ def _template_changed(r: Ranked, ctx: Context) -> dict[str, Any]:
                 "chat template or its chat_template_kwargs changed between requests")  # fmt: skip
 
 
+def closer_interval(gaps: list[int], interval: int, block_size: int) -> tuple[int, float]:
+    """The checkpoint interval that resumes closer after `gaps` (tokens hybrids resumed
+    short of where prompts diverged): the power of two at or below the typical gap, at most
+    half `interval`, at least a block; and that typical gap. Autotune sets what this fix
+    names (autotune.py)."""
+    typical = statistics.median(gaps) if gaps else interval / 2
+    return max(block_size, _pow2_below(min(typical, interval / 2))), typical
+
+
 def _checkpoint_spacing(r: Ranked, ctx: Context) -> dict[str, Any]:
     gaps = [e.gap for e in r.evidence if e.gap > 0]
-    typical = statistics.median(gaps) if gaps else ctx.checkpoint_interval / 2
-    want = max(ctx.block_size, _pow2_below(min(typical, ctx.checkpoint_interval / 2)))
+    want, typical = closer_interval(gaps, ctx.checkpoint_interval, ctx.block_size)
     base = (f"a hybrid model resumed {r.tokens:,} tokens before where prompts left the "
             f"cached ones (typically {typical:,.0f} tokens short): ")  # fmt: skip
     closer = {"checkpoint_interval": want} if want < ctx.checkpoint_interval else {}
